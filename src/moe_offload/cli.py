@@ -1,0 +1,134 @@
+"""The `moe-offload` command. The contract is ../shared/CLI.md: extend it, never break it.
+
+Human output goes to the terminal; `--json` prints one JSON document on stdout and nothing
+else there. A user error exits with status 2 and one `error:` line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .errors import MoeOffloadError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, per the contract, instead of usage + message
+        sys.stderr.write(f"error: {message} (see `{self.prog} --help`)\n")
+        sys.exit(2)
+
+
+def _budget_options(p: argparse.ArgumentParser) -> None:
+    from .planner import DEFAULT_RESERVE_GB
+
+    g = p.add_argument_group("budget")
+    g.add_argument("--offload-gb", type=float, metavar="X",
+                   help="offload at least X GiB of weights to host memory (0 offloads nothing)")
+    g.add_argument("--device-memory", type=float, metavar="X",
+                   help="the accelerator has X GiB: offload the least that makes weights + reserve fit")
+    g.add_argument("--reserve-gb", type=float, metavar="X",
+                   help=f"with --device-memory: room kept for activations and KV cache (default {DEFAULT_RESERVE_GB})")
+    g.add_argument("--policy", default="sparse-first", choices=["sparse-first", "declaration"],
+                   help="sparse-first: by access density, routed experts before dense, globally (default); "
+                        "declaration: module declaration order (the legacy behaviour of today's engines)")
+    g.add_argument("--offload-params", nargs="+", metavar="SEG",
+                   help="only tensors whose name contains one of these whole dot-separated segment sequences "
+                        "are eligible (`experts` matches `...mlp.experts.down_proj`)")
+    g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
+                   help="storage dtype when planning from config.json alone (default: the config's own)")
+
+
+def _budget_kwargs(args) -> dict:
+    return dict(offload_gb=args.offload_gb, device_memory_gb=args.device_memory, reserve_gb=args.reserve_gb,
+                policy=args.policy, offload_params=args.offload_params)
+
+
+def _model_path(value: str) -> Path:
+    path = Path(value)
+    if not path.exists():
+        raise MoeOffloadError(f"{path} does not exist: give a local model folder or a config.json path "
+                              "(nothing is fetched from a hub)")
+    return path
+
+
+def cmd_plan(args) -> int:
+    from . import plan as make_plan
+    from .report import print_plan
+
+    p = make_plan(_model_path(args.model), dtype=args.dtype, batch=args.batch, **_budget_kwargs(args))
+    if args.save:
+        _write_atomic(Path(args.save), p.to_json(indent=1))
+    if args.json:
+        print(p.to_json())
+    else:
+        print_plan(p)
+        if args.save:
+            print(f"plan saved to {args.save}")
+    return 0
+
+
+def cmd_make_tiny(args) -> int:
+    from .tiny import make_tiny
+
+    try:
+        out = make_tiny(args.dir, family=args.family, layers=args.layers, experts=args.experts, top_k=args.top_k,
+                        hidden=args.hidden, seed=args.seed, dtype=args.dtype)
+    except (ValueError, FileExistsError) as exc:
+        raise MoeOffloadError(str(exc)) from exc
+    print(f"wrote a tiny {args.family} model to {out}")
+    return 0
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write a file whole or not at all (a temporary sibling renamed into place)."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise MoeOffloadError(f"cannot write {path}: {exc.strerror}; choose a writable path") from exc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="moe-offload", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("plan", help="plan where every weight lives (reads no tensor data)")
+    p.add_argument("model", help="model folder or config.json path")
+    _budget_options(p)
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together, for link bytes (default 1)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON document")
+    p.add_argument("--save", metavar="PLAN.json", help="save the plan (load it with `moe_offload.load(plan=...)`)")
+    p.set_defaults(func=cmd_plan)
+
+    t = sub.add_parser("make-tiny", help="write a small random-weight model folder")
+    t.add_argument("dir")
+    t.add_argument("--family", required=True)
+    t.add_argument("--layers", type=int, default=2)
+    t.add_argument("--experts", type=int, default=8)
+    t.add_argument("--top-k", type=int, default=2)
+    t.add_argument("--hidden", type=int, default=64)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    t.set_defaults(func=cmd_make_tiny)
+    return parser
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except MoeOffloadError as exc:
+        message = " ".join(str(exc).split())
+        sys.stderr.write(f"error: {message}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

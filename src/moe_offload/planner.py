@@ -1,0 +1,348 @@
+"""The planner: records + budget + policy -> Plan. A pure function of its inputs.
+
+Every tensor is ranked by its access density, the expected fraction of its bytes one
+decoded step reads (DESIGN.md):
+
+    untied input embedding / lookup table     rows read / rows
+    routed expert tensor (E experts, top-k)   1 - (1 - k/E)^b   (b = sequences decoded together)
+    everything else                           1
+
+`sparse-first` offloads the lowest densities first, across the whole model; ties go in
+declaration order, so dense tensors come last, in declaration order, and only once every
+routed expert is offloaded. `declaration` is the legacy order of today's engines.
+Explicit selectors make only matching tensors eligible, in declaration order.
+
+The expected link traffic per decoded token follows from the same numbers:
+    sum over offloaded tensors of bytes * density_b / b
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Mapping, Sequence
+
+from .errors import BudgetError, SelectorError
+from .inventory import Inventory, TensorRecord
+from .roles import Role, assign, family_note
+
+GiB = 1 << 30
+DEFAULT_RESERVE_GB = 2.0  # activations + KV cache kept free with --device-memory, unless --reserve-gb says otherwise
+PLAN_FORMAT = 1
+
+
+class Tier(str, Enum):
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+
+class Policy(str, Enum):
+    SPARSE_FIRST = "sparse-first"
+    DECLARATION = "declaration"
+    EXPLICIT = "explicit"  # set by `offload_params`, not chosen by name
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    layer: int | None
+    component: str
+    role: str
+    is_buffer: bool
+    experts: int | None     # E, for routed experts
+    top_k: int | None       # k, for routed experts
+    tier: str
+    reason: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def density(self, batch: int = 1) -> float:
+        """Expected fraction of this tensor's bytes read by one decode step of `batch` sequences."""
+        if self.role == Role.ROUTED_EXPERT and self.experts and self.top_k:
+            return 1.0 - (1.0 - self.top_k / self.experts) ** batch
+        if self.role == Role.EMBEDDING and self.shape:
+            return min(batch, self.shape[0]) / self.shape[0]
+        return 1.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    tensors: tuple[PlannedTensor, ...]
+    model_type: str
+    policy: str
+    budget_bytes: int
+    batch: int = 1
+    offload_params: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+    # --- views -------------------------------------------------------------------------
+    @property
+    def tiers(self) -> dict[str, str]:
+        return {t.name: t.tier for t in self.tensors}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.bytes for t in self.tensors)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(t.bytes for t in self.tensors if t.tier != Tier.DEVICE)
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.total_bytes - self.offloaded_bytes
+
+    @property
+    def total_params(self) -> int:
+        return sum(t.numel for t in self.tensors if not t.is_buffer)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters read per decoded token: all but the input embedding, routed experts at k/E."""
+        total = 0.0
+        for t in self.tensors:
+            if t.is_buffer or t.role == Role.EMBEDDING:
+                continue
+            total += t.numel * (t.top_k / t.experts if t.role == Role.ROUTED_EXPERT and t.experts else 1.0)
+        return round(total)
+
+    def link_bytes_per_token(self, batch: int | None = None) -> float:
+        b = batch or self.batch
+        return sum(t.bytes * t.density(b) for t in self.tensors if t.tier != Tier.DEVICE) / b
+
+    def roles(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {r.value: {"params": 0, "bytes": 0, "offloaded_bytes": 0} for r in Role}
+        for t in self.tensors:
+            row = out[t.role]
+            row["params"] += 0 if t.is_buffer else t.numel
+            row["bytes"] += t.bytes
+            row["offloaded_bytes"] += t.bytes if t.tier != Tier.DEVICE else 0
+        return out
+
+    # --- serialisation -----------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "format": PLAN_FORMAT,
+            "model_type": self.model_type,
+            "policy": self.policy,
+            "batch": self.batch,
+            "offload_params": list(self.offload_params),
+            "total_params": self.total_params,
+            "active_params": self.active_params,
+            "total_bytes": self.total_bytes,
+            "offloaded_bytes": self.offloaded_bytes,
+            "resident_bytes": self.resident_bytes,
+            "budget_bytes": self.budget_bytes,
+            "link_bytes_per_token": self.link_bytes_per_token(),
+            "roles": self.roles(),
+            "tensors": [dict(asdict(t), shape=list(t.shape)) for t in self.tensors],
+            "notes": list(self.notes),
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        from .errors import MoeOffloadError
+
+        try:
+            data = json.loads(text)
+            tensors = tuple(
+                PlannedTensor(**{**t, "shape": tuple(t["shape"])}) for t in data["tensors"])
+            return cls(tensors, data["model_type"], data["policy"], int(data["budget_bytes"]), int(data["batch"]),
+                       tuple(data.get("offload_params", ())), tuple(data.get("notes", ())))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise MoeOffloadError(f"not a moe-offload plan ({type(exc).__name__}: {exc}); save one with "
+                                  "`moe-offload plan --save PLAN.json`") from exc
+
+
+# ---------------------------------------------------------------------------------------
+# Budgets
+
+
+@dataclass(frozen=True)
+class Budget:
+    offload_gb: float | None = None
+    device_memory_gb: float | None = None
+    reserve_gb: float | None = None
+
+    def validate(self) -> None:
+        for label, value in (("--offload-gb", self.offload_gb), ("--device-memory", self.device_memory_gb),
+                             ("--reserve-gb", self.reserve_gb)):
+            if value is not None and (not math.isfinite(value) or value < 0):
+                raise BudgetError(f"{label} {value} is not a size: give a non-negative number of GiB")
+        if self.offload_gb is not None and self.device_memory_gb is not None:
+            raise BudgetError("--offload-gb and --device-memory both set a budget: give one of them")
+        if self.reserve_gb is not None and self.device_memory_gb is None:
+            raise BudgetError("--reserve-gb only applies with --device-memory: add --device-memory or drop it")
+
+
+def format_bytes(n: float) -> str:
+    """Bytes for people: GiB, MiB or KiB with 2 decimals (powers of 2), or plain bytes."""
+    for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+_gib = format_bytes
+
+
+def matches_selector(name: str, selector: str) -> bool:
+    """vLLM's segment semantics: `experts` matches `...mlp.experts.down_proj`, `expert` does not."""
+    segs, want = name.split("."), selector.strip(".").split(".")
+    return any(segs[i:i + len(want)] == want for i in range(len(segs) - len(want) + 1))
+
+
+def _similar(selector: str, names: Sequence[str]) -> list[str]:
+    import difflib
+
+    segments = sorted({s for n in names for s in n.split(".") if not s.isdigit()})
+    return difflib.get_close_matches(selector.split(".")[-1], segments, n=4, cutoff=0.5)
+
+
+def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: float | None = None,
+         reserve_gb: float | None = None, policy: str = "sparse-first", offload_params: Sequence[str] | None = None,
+         batch: int = 1) -> Plan:
+    """Decide the tier of every tensor. Touches no device, file or global state."""
+    budget = Budget(offload_gb, device_memory_gb, reserve_gb)
+    budget.validate()
+    if batch < 1:
+        raise BudgetError(f"--batch {batch}: the number of sequences decoded together is at least 1")
+    try:
+        policy_ = Policy(policy)
+    except ValueError:
+        raise SelectorError(f"unknown policy {policy!r}: use sparse-first or declaration") from None
+    if policy_ is Policy.EXPLICIT:
+        raise SelectorError("policy 'explicit' is set by offload_params (--offload-params), not by name")
+    roles = assign(inv)
+    records = inv.records
+    notes: list[str] = list(inv.notes)
+    if (note := family_note(inv)) is not None:
+        notes.append(note)
+
+    # Eligibility.
+    selectors = tuple(offload_params or ())
+    if selectors:
+        names = [r.name for r in records]
+        for sel in selectors:
+            if not any(matches_selector(n, sel) for n in names):
+                near = _similar(sel, names)
+                hint = f"; similar segments: {', '.join(near)}" if near else ""
+                raise SelectorError(
+                    f"--offload-params {sel!r} matches no tensor of this {inv.model_type} model (selectors match "
+                    f"whole dot-separated segments){hint}")
+        eligible = [i for i, r in enumerate(records) if any(matches_selector(r.name, s) for s in selectors)]
+        policy_ = Policy.EXPLICIT
+    else:
+        eligible = list(range(len(records)))
+    eligible_bytes = sum(records[i].bytes for i in eligible)
+    total = sum(r.bytes for r in records)
+
+    # The offload target.
+    if budget.device_memory_gb is not None:
+        reserve = budget.reserve_gb if budget.reserve_gb is not None else DEFAULT_RESERVE_GB
+        room = math.floor((budget.device_memory_gb - reserve) * GiB)
+        if room < 0:
+            raise BudgetError(f"--device-memory {budget.device_memory_gb} GiB is less than the "
+                              f"{reserve} GiB reserve: lower --reserve-gb or give the real device memory")
+        target = max(0, total - room)
+        if target == 0:
+            notes.append(f"the model fits: {_gib(total)} of weights + {reserve:g} GiB reserve <= "
+                         f"{budget.device_memory_gb:g} GiB of device memory; nothing offloaded")
+        elif target > eligible_bytes:
+            raise BudgetError(
+                f"the model cannot fit: {_gib(total)} of weights need {_gib(target)} offloaded to leave "
+                f"{reserve:g} GiB reserve in {budget.device_memory_gb:g} GiB, but only {_gib(eligible_bytes)} "
+                "may be offloaded; widen --offload-params, lower --reserve-gb or use a larger device")
+    elif budget.offload_gb is not None:
+        target = math.ceil(budget.offload_gb * GiB)
+        if target > eligible_bytes:
+            what = "the tensors --offload-params selects" if selectors else "the whole model"
+            raise BudgetError(f"--offload-gb {budget.offload_gb:g} is more than {what} ({_gib(eligible_bytes)}, "
+                              f"{eligible_bytes} bytes): give at most {eligible_bytes / GiB:.6g}")
+    else:
+        target = 0
+        notes.append("no budget given (--offload-gb or --device-memory): everything stays on the device")
+
+    # Order of offloading.
+    def density(i: int) -> float:
+        r, role = records[i], roles[i]
+        if role == Role.ROUTED_EXPERT and inv.num_experts and inv.top_k:
+            return 1.0 - (1.0 - inv.top_k / inv.num_experts) ** batch
+        if role == Role.EMBEDDING:
+            return min(batch, r.shape[0]) / r.shape[0]
+        return 1.0
+
+    order = sorted(eligible, key=lambda i: (density(i), i)) if policy_ is Policy.SPARSE_FIRST else eligible
+    offloaded: set[int] = set()
+    done = 0
+    last = None
+    for i in order:
+        if done >= target:
+            break
+        offloaded.add(i)
+        done += records[i].bytes
+        last = i
+
+    tensors = []
+    for i, (r, role) in enumerate(zip(records, roles)):
+        routed = role == Role.ROUTED_EXPERT
+        tier = Tier.HOST if i in offloaded else Tier.DEVICE
+        reason = _reason(i in offloaded, policy_, role, density(i), selectors and i in eligible)
+        tensors.append(PlannedTensor(
+            r.name, r.shape, r.dtype, r.bytes, r.layer, r.component, role.value, r.is_buffer,
+            inv.num_experts if routed else None, inv.top_k if routed else None, tier.value, reason))
+
+    notes += _notes(records, roles, offloaded, target, done, last, policy_, eligible)
+    return Plan(tuple(tensors), inv.model_type, policy_.value, target, batch, selectors, tuple(notes))
+
+
+def _reason(off: bool, policy: Policy, role: Role, density: float, selected: bool) -> str:
+    if not off:
+        return "resident: budget met before this tensor's turn" if selected or policy is not Policy.EXPLICIT \
+            else "resident: not selected by --offload-params"
+    if policy is Policy.EXPLICIT:
+        return "offloaded: selected by --offload-params, declaration order"
+    if policy is Policy.DECLARATION:
+        return "offloaded: declaration order"
+    return f"offloaded: access density {density:.4g} per step"
+
+
+def _notes(records: Sequence[TensorRecord], roles, offloaded: set[int], target: int, done: int, last,
+           policy: Policy, eligible) -> list[str]:
+    notes = []
+    if not offloaded:
+        return notes
+    routed_total = sum(r.bytes for r, role in zip(records, roles) if role == Role.ROUTED_EXPERT)
+    dense_off = [i for i in offloaded if roles[i] not in (Role.ROUTED_EXPERT, Role.EMBEDDING)]
+    dense_bytes = sum(records[i].bytes for i in dense_off)
+    if dense_off and policy is Policy.SPARSE_FIRST:
+        sparse_off = done - dense_bytes
+        notes.append(
+            f"dense tensors offloaded: the {_gib(target)} budget exceeds the {_gib(sparse_off)} of routed experts "
+            f"and lookup tables ({_gib(routed_total)} routed experts in all), so {len(dense_off)} dense tensors "
+            f"({_gib(dense_bytes)}) were offloaded in declaration order; every token reads them in full")
+    elif dense_off:
+        notes.append(
+            f"{len(dense_off)} dense tensors ({_gib(dense_bytes)}) offloaded by {policy.value} order; every decoded "
+            "token reads them in full over the link (sparse-first would offload routed experts first)")
+    for comp in sorted({r.component for r in records} - {"language"}):
+        idx = [i for i, r in enumerate(records) if r.component == comp]
+        if not any(i in offloaded for i in idx):
+            size = sum(records[i].bytes for i in idx)
+            notes.append(f"the {comp} tower ({_gib(size)}) stays resident: the budget was met before its turn")
+    over = done - target
+    if over > 0 and last is not None:
+        notes.append(f"offloaded {over} bytes more than the budget: tensors move whole, and the last one "
+                     f"({records[last].name}, {records[last].bytes} bytes) crossed the target")
+    return notes
