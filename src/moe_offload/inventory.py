@@ -170,15 +170,19 @@ def _storage_dtype(config, dtype: str | None) -> torch.dtype:
     return torch.float32
 
 
-def build_meta_model(config, dtype: torch.dtype | None = None) -> nn.Module:
-    """The model as transformers builds it, on the meta device (no memory for weights)."""
+def build_meta_model(config, dtype: torch.dtype | None = None, *, device: str = "meta") -> nn.Module:
+    """The model as transformers builds it, on the meta device (no memory for weights).
+
+    `device="cpu"` builds under the caller's own context instead (the loader puts only the
+    parameters on meta and keeps real buffers).
+    """
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     dtype = dtype or _storage_dtype(config, None)
     classes = (AutoModelForImageTextToText, AutoModelForCausalLM) if hasattr(config, "vision_config") else (
         AutoModelForCausalLM, AutoModelForImageTextToText)
     errors = []
-    with torch.device("meta"):
+    with torch.device(device):
         for auto in classes:
             try:
                 return auto.from_config(config, dtype=dtype)

@@ -156,8 +156,8 @@ class Plan:
 
         try:
             data = json.loads(text)
-            tensors = tuple(
-                PlannedTensor(**{**t, "shape": tuple(t["shape"])}) for t in data["tensors"])
+            tensors = tuple(PlannedTensor(**{**t, "shape": tuple(t["shape"]), "tier": Tier(t["tier"]).value})
+                            for t in data["tensors"])
             return cls(tensors, data["model_type"], data["policy"], int(data["budget_bytes"]), int(data["batch"]),
                        tuple(data.get("offload_params", ())), tuple(data.get("notes", ())))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
@@ -283,7 +283,12 @@ def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: f
             return min(batch, r.shape[0]) / r.shape[0]
         return 1.0
 
-    order = sorted(eligible, key=lambda i: (density(i), i)) if policy_ is Policy.SPARSE_FIRST else eligible
+    # Lookup tables and routed experts go before dense tensors of equal density: at a large batch an expert's
+    # density rounds to 1.0 in floating point, and dense tensors declared first must still not overtake it.
+    def dense(i: int) -> bool:
+        return roles[i] not in (Role.ROUTED_EXPERT, Role.EMBEDDING)
+
+    order = sorted(eligible, key=lambda i: (density(i), dense(i), i)) if policy_ is Policy.SPARSE_FIRST else eligible
     offloaded: set[int] = set()
     done = 0
     last = None
@@ -336,11 +341,14 @@ def _notes(records: Sequence[TensorRecord], roles, offloaded: set[int], target: 
         notes.append(
             f"{len(dense_off)} dense tensors ({_gib(dense_bytes)}) offloaded by {policy.value} order; every decoded "
             "token reads them in full over the link (sparse-first would offload routed experts first)")
+    selectable = set(eligible)
     for comp in sorted({r.component for r in records} - {"language"}):
         idx = [i for i, r in enumerate(records) if r.component == comp]
         if not any(i in offloaded for i in idx):
             size = sum(records[i].bytes for i in idx)
-            notes.append(f"the {comp} tower ({_gib(size)}) stays resident: the budget was met before its turn")
+            why = ("the budget was met before its turn" if any(i in selectable for i in idx)
+                   else "--offload-params selects none of it")
+            notes.append(f"the {comp} tower ({_gib(size)}) stays resident: {why}")
     over = done - target
     if over > 0 and last is not None:
         notes.append(f"offloaded {over} bytes more than the budget: tensors move whole, and the last one "

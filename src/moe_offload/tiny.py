@@ -7,7 +7,13 @@ writes it as an ordinary Hugging Face model folder:
 * ``config.json`` and ``generation_config.json``;
 * ``model.safetensors``, written by the model's own ``save_pretrained`` so the tensor
   names, shapes and per-expert/fused layout on disk are exactly what transformers writes
-  for that architecture (and what real checkpoints of the family look like);
+  for that architecture: per-expert tensors (``...experts.3.down_proj.weight``) for the
+  Qwen/Mixtral/DeepSeek/OLMoE/PhiMoE/GLM/Jamba families, fused ``[E, ...]`` tensors for
+  gpt-oss, GraniteMoE and Qwen3-VL-MoE. (For Qwen3-VL-MoE transformers writes its
+  in-memory orientation, ``gate_up_proj`` ``[E, 2*I, H]``; released checkpoints store
+  ``[E, H, 2*I]``, and transformers' loader accepts both.) In half precision, tensors that
+  transformers keeps in float32 (``_keep_in_fp32_modules``, e.g. DeepSeek/GLM router
+  weights, gpt-oss norms in float16) stay float32 on disk too;
 * a byte-level BPE tokenizer trained on :data:`moe_offload.prompts.CORPUS`
   (``tokenizer.json`` + ``tokenizer_config.json``);
 * ``moe_offload_tiny.json`` recording the arguments it was made with.
@@ -69,16 +75,17 @@ def _common(p: dict[str, Any]) -> dict[str, Any]:
 
 # --- one config builder per family -------------------------------------------------------
 # Each maps the generic (experts, top_k, hidden) onto the family's own field names. Expert
-# FFNs get width == hidden and dense FFNs 2*hidden, so routed experts hold most of the
-# parameters, as in real MoE checkpoints.
+# FFNs are 1.5*hidden wide and dense FFNs 2*hidden, so routed experts hold most of the
+# parameters, as in real MoE checkpoints, and no expert matrix is square: a transposed
+# expert weight then always shows up as a shape mismatch instead of silently loading.
 
 
 def _qwen3_moe(p: dict[str, Any]) -> dict[str, Any]:
     return dict(
         _common(p),
         head_dim=p["head_dim"],
-        intermediate_size=2 * p["hidden"],
-        moe_intermediate_size=p["hidden"],
+        intermediate_size=p["dense_ffn"],
+        moe_intermediate_size=p["expert_ffn"],
         num_experts=p["experts"],
         num_experts_per_tok=p["top_k"],
         norm_topk_prob=True,  # as in the released Qwen3 MoE checkpoints
@@ -88,11 +95,11 @@ def _qwen3_moe(p: dict[str, Any]) -> dict[str, Any]:
 def _qwen2_moe(p: dict[str, Any]) -> dict[str, Any]:
     return dict(
         _common(p),
-        intermediate_size=2 * p["hidden"],
-        moe_intermediate_size=p["hidden"],
+        intermediate_size=p["dense_ffn"],
+        moe_intermediate_size=p["expert_ffn"],
         # Qwen2-MoE always has exactly one (gated) shared expert; keep it so planners see
         # the shared_expert role.
-        shared_expert_intermediate_size=2 * p["hidden"],
+        shared_expert_intermediate_size=p["dense_ffn"],
         num_experts=p["experts"],
         num_experts_per_tok=p["top_k"],
     )
@@ -103,7 +110,7 @@ def _mixtral(p: dict[str, Any]) -> dict[str, Any]:
     return dict(
         _common(p),
         head_dim=p["head_dim"],
-        intermediate_size=p["hidden"],
+        intermediate_size=p["expert_ffn"],
         num_local_experts=p["experts"],
         num_experts_per_tok=p["top_k"],
     )
@@ -118,8 +125,8 @@ def _deepseek_mla(p: dict[str, Any]) -> dict[str, Any]:
         qk_nope_head_dim=hd,
         qk_rope_head_dim=hd // 2,
         v_head_dim=hd,
-        intermediate_size=2 * p["hidden"],
-        moe_intermediate_size=p["hidden"],
+        intermediate_size=p["dense_ffn"],
+        moe_intermediate_size=p["expert_ffn"],
         n_routed_experts=p["experts"],
         num_experts_per_tok=p["top_k"],
         n_shared_experts=1,
@@ -150,7 +157,7 @@ def _gpt_oss(p: dict[str, Any]) -> dict[str, Any]:
     return dict(
         _common(p),
         head_dim=p["head_dim"],
-        intermediate_size=p["hidden"],  # gpt-oss has only expert FFNs
+        intermediate_size=p["expert_ffn"],  # gpt-oss has only expert FFNs
         num_local_experts=p["experts"],
         num_experts_per_tok=p["top_k"],
         # Shorter than the prompts used in tests, so the sliding layers really slide.
@@ -214,7 +221,7 @@ def _qwen3_vl_moe(p: dict[str, Any]) -> dict[str, Any]:
 def _olmoe(p: dict[str, Any]) -> dict[str, Any]:
     return dict(
         _common(p),
-        intermediate_size=p["hidden"],  # OLMoE: expert width, no dense FFN
+        intermediate_size=p["expert_ffn"],  # OLMoE: expert width, no dense FFN
         num_experts=p["experts"],
         num_experts_per_tok=p["top_k"],
     )
@@ -223,7 +230,7 @@ def _olmoe(p: dict[str, Any]) -> dict[str, Any]:
 def _phimoe(p: dict[str, Any]) -> dict[str, Any]:
     return dict(
         _common(p),
-        intermediate_size=p["hidden"],
+        intermediate_size=p["expert_ffn"],
         num_local_experts=p["experts"],
         num_experts_per_tok=p["top_k"],
     )
@@ -232,7 +239,7 @@ def _phimoe(p: dict[str, Any]) -> dict[str, Any]:
 def _granitemoe(p: dict[str, Any]) -> dict[str, Any]:
     return dict(
         _common(p),
-        intermediate_size=p["hidden"],
+        intermediate_size=p["expert_ffn"],
         num_local_experts=p["experts"],
         num_experts_per_tok=p["top_k"],
     )
@@ -242,8 +249,8 @@ def _glm4_moe(p: dict[str, Any]) -> dict[str, Any]:
     return dict(
         _common(p),
         head_dim=p["head_dim"],
-        intermediate_size=2 * p["hidden"],
-        moe_intermediate_size=p["hidden"],
+        intermediate_size=p["dense_ffn"],
+        moe_intermediate_size=p["expert_ffn"],
         n_routed_experts=p["experts"],
         num_experts_per_tok=p["top_k"],
         n_shared_experts=1,
@@ -258,14 +265,19 @@ def _qwen3_next(p: dict[str, Any]) -> dict[str, Any]:
     return dict(
         _common(p),
         head_dim=p["head_dim"],
-        intermediate_size=2 * p["hidden"],
-        moe_intermediate_size=p["hidden"],
-        shared_expert_intermediate_size=p["hidden"],
+        intermediate_size=p["dense_ffn"],
+        moe_intermediate_size=p["expert_ffn"],
+        shared_expert_intermediate_size=p["expert_ffn"],
         num_experts=p["experts"],
         num_experts_per_tok=p["top_k"],
         # Alternate linear (gated delta-net) and full attention so that even a 2-layer
-        # model has both kinds; the real model uses one full layer in four.
-        layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        # model has both kinds; the real model uses one full layer in four. A 1-layer model
+        # gets a full-attention layer: transformers' hybrid cache cannot generate without one.
+        layer_types=(
+            ["full_attention"]
+            if layers == 1
+            else ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        ),
         linear_num_key_heads=2,
         linear_num_value_heads=4,
         linear_key_head_dim=p["head_dim"],
@@ -277,7 +289,7 @@ def _jamba(p: dict[str, Any]) -> dict[str, Any]:
     layers = p["layers"]
     return dict(
         _common(p),
-        intermediate_size=p["hidden"],
+        intermediate_size=p["expert_ffn"],
         num_experts=p["experts"],
         num_experts_per_tok=p["top_k"],
         # Real Jamba: attention in 1 layer of 8, MoE every 2nd layer. Shrink the periods so
@@ -354,7 +366,7 @@ def _check_args(
         )
     for name, value in (("layers", layers), ("experts", experts), ("top_k", top_k), ("hidden", hidden)):
         if isinstance(value, bool) or not isinstance(value, int):
-            raise _fail(f"{name}={value!r} is not an integer", f"{name} counts model units", f"pass an int")
+            raise _fail(f"{name}={value!r} is not an integer", f"{name} counts model units", "pass an int")
     if layers < 1:
         raise _fail(f"layers={layers} is invalid", "a model needs at least one decoder layer", "pass layers >= 1")
     if experts < 1:
@@ -468,8 +480,10 @@ def make_tiny(
 
     ``layers`` decoder layers, ``experts`` routed experts per MoE layer of which ``top_k``
     are used per token, hidden size ``hidden`` (4 attention heads), weights drawn from
-    ``seed`` and saved in ``dtype`` ("float32", "bfloat16" or "float16"), and a tokenizer
-    of exactly ``vocab_size`` tokens. Returns the folder's path.
+    ``seed`` and saved in ``dtype`` ("float32", "bfloat16" or "float16"; "fp32", "bf16",
+    "fp16" also accepted), and a tokenizer of exactly ``vocab_size`` tokens (at least 260;
+    264 for qwen3_vl_moe, whose vision placeholders are special tokens). Returns the
+    folder's absolute path.
 
     The folder appears atomically (built in a temporary sibling, then renamed). Raises
     ``FileExistsError`` if ``out_dir`` exists and is not an empty directory, and
@@ -493,6 +507,8 @@ def make_tiny(
         vocab_size=len(tokenizer),
         hidden=hidden,
         head_dim=hidden // _HEADS,
+        expert_ffn=3 * hidden // 2,
+        dense_ffn=2 * hidden,
         layers=layers,
         experts=experts,
         top_k=top_k,
@@ -511,11 +527,10 @@ def make_tiny(
     # fork_rng: seed only for our own draws, leaving the caller's global RNG state as it was.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        # Always initialise in float32 and cast afterwards, so the float16/bfloat16
-        # checkpoints are roundings of the very same weights as the float32 one.
+        # Always initialise in float32, so the float16/bfloat16 checkpoints are roundings
+        # of the very same weights as the float32 one.
         model = auto_cls.from_config(config, dtype=torch.float32)
-    model = model.to(getattr(torch, dtype)).eval()
-    model.config.dtype = dtype
+    model.eval()
     model.generation_config = GenerationConfig(
         bos_token_id=params["bos"],
         eos_token_id=params["eos"],
@@ -525,8 +540,12 @@ def make_tiny(
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    bars_were_off = transformers.utils.logging.is_progress_bar_enabled() is False
+    transformers.utils.logging.disable_progress_bar()  # library call: no "Writing shards" bars
     try:
-        model.save_pretrained(tmp)
+        # mkdtemp creates the folder 0700; give the final folder ordinary permissions.
+        tmp.chmod(0o755)
+        _save_weights(model, auto_cls, getattr(torch, dtype), tmp)
         tokenizer.save_pretrained(tmp)
         record = {
             "family": family,
@@ -554,4 +573,28 @@ def make_tiny(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if not bars_were_off:
+            transformers.utils.logging.enable_progress_bar()
     return out
+
+
+def _save_weights(model: Any, auto_cls: Any, torch_dtype: Any, dest: Path) -> None:
+    """``save_pretrained`` ``model`` (float32) into ``dest`` with weights in ``torch_dtype``.
+
+    For half precision the float32 model is saved once to a scratch folder and loaded back
+    with ``from_pretrained(dtype=...)``: that applies transformers' own casting rules
+    (``_keep_in_fp32_modules[_strict]``, e.g. DeepSeek router weights stay float32), so the
+    file holds exactly what a user loading at that dtype and saving would get.
+    """
+    import torch
+
+    if torch_dtype == torch.float32:
+        model.save_pretrained(dest)
+        return
+    with tempfile.TemporaryDirectory(prefix=f"{dest.name}.fp32-", dir=dest.parent) as scratch:
+        model.save_pretrained(scratch)
+        half = auto_cls.from_pretrained(scratch, dtype=torch_dtype)
+        half.generation_config = model.generation_config
+        # Save before the scratch folder (which the loaded tensors may map) goes away.
+        half.save_pretrained(dest)

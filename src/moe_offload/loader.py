@@ -1,0 +1,237 @@
+"""Loading a Hugging Face checkpoint straight into its plan.
+
+The model is built with its parameters on the meta device (buffers are computed as usual,
+they are small). Device-tier tensors are allocated on the device, host-tier tensors in
+exact-size host slabs, one per layer. Each checkpoint tensor is then read from its
+memory-mapped shard, one tensor (or expert slice) at a time, and written once into its
+slot: per-expert checkpoint tensors go straight into their slice of the fused in-memory
+tensor. The whole model never sits on the device, and no second full copy is made in host
+memory. Any error leaves nothing behind: the half-built model is dropped, not returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from .errors import CheckpointError, MoeOffloadError
+from .inventory import (DTYPE_NAMES, build_meta_model, from_checkpoint, read_config, read_headers,
+                        safetensors_files)
+from .layouts import map_keys
+from .planner import Plan, Tier, plan as make_plan
+from .storage import HostArena, resolve_device
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Build modules with parameters on meta but real buffers (rotary tables and the like).
+
+    Scoped to construction: `register_parameter` is restored on exit, whatever happens.
+    """
+    original = nn.Module.register_parameter
+
+    def register(module, name, param):
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor, is_buffer: bool) -> None:
+    mod_name, _, local = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    if is_buffer:
+        mod._buffers[local] = tensor
+    else:
+        mod._parameters[local] = nn.Parameter(tensor, requires_grad=False)
+
+
+def _progress(total: int, enabled: bool):
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+    from rich.console import Console
+
+    return Progress(TextColumn("loading"), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
+                    TimeRemainingColumn(), console=Console(stderr=True), disable=not enabled, transient=True)
+
+
+def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str | Path | None = None,
+         dtype: str | None = None, progress: bool = False, **budget):
+    """Build, load and attach a runtime. Returns (model, plan).
+
+    `budget`: offload_gb, device_memory_gb, reserve_gb, policy, offload_params, batch (as `moe_offload.plan`).
+    `plan`: a Plan (or its JSON file) to apply instead of planning here.
+    """
+    from .audit import audit
+    from .errors import AuditError
+    from .runtime import BACKENDS, Runtime
+
+    folder = Path(model_dir)
+    if not folder.is_dir():
+        raise MoeOffloadError(f"{folder} is not a model folder: give a local folder with config.json and safetensors")
+    dev = resolve_device(device)
+    backend = backend or "uva"
+    if backend not in BACKENDS:
+        raise MoeOffloadError(f"unknown backend {backend!r}: use uva or prefetch")
+    if dtype is not None and dtype not in DTYPE_NAMES:
+        raise MoeOffloadError(f"unknown dtype {dtype!r}: use bf16, fp16 or fp32")
+
+    config = read_config(folder)
+    if getattr(config, "quantization_config", None) is not None:
+        raise CheckpointError(f"{folder} is a quantized checkpoint ({config.quantization_config.get('quant_method') if isinstance(config.quantization_config, dict) else config.quantization_config}); "
+                              "moe-offload can plan it but loads only unquantized (fp32/bf16/fp16) checkpoints")
+    inv = from_checkpoint(folder, dtype=None)
+    if isinstance(plan, (str, Path)):
+        plan = Plan.from_json(Path(plan).read_text())
+    if plan is None:
+        plan = make_plan(inv, **budget)
+    elif budget:
+        raise MoeOffloadError("give either a plan or budget options, not both")
+    _check_plan_matches(plan, inv, folder)
+
+    storage_dtype = getattr(torch, DTYPE_NAMES[dtype]) if dtype else None
+    with _parameters_on_meta():
+        model = build_meta_model(config, storage_dtype, device="cpu")
+    model.eval()
+    by_name = {t.name: t for t in plan.tensors}
+    targets, arena = _allocate(model, plan, dev, want_uva=(backend == "uva"), dtype=storage_dtype)
+    try:
+        _stream_checkpoint(folder, model, targets, by_name, progress)
+        for name, (host_t, visible) in targets.items():
+            _set_tensor(model, name, visible, by_name[name].is_buffer)
+        for alias, target in inv.tied:
+            mod_name, _, local = alias.rpartition(".")
+            (model.get_submodule(mod_name) if mod_name else model)._parameters[local] = \
+                model.get_parameter(target)
+        _move_buffers(model, dev, set(targets))
+        host_names = {t.name: t.tier for t in plan.tensors if t.tier != Tier.DEVICE}
+        runtime = Runtime(model, device=dev, backend=backend, arena=arena, host_names=host_names)
+        runtime.attach()
+        model.moe_offload_runtime = runtime
+        mismatches = audit(model, plan)
+        if mismatches:
+            raise AuditError(mismatches)
+        _load_generation_config(model, folder)
+    except BaseException:
+        arena.release()
+        raise
+    return model, plan
+
+
+def _check_plan_matches(plan: Plan, inv, folder: Path) -> None:
+    planned = {t.name: t for t in plan.tensors}
+    actual = {r.name: r for r in inv.records}
+    if planned.keys() != actual.keys():
+        only_plan = sorted(planned.keys() - actual.keys())[:3]
+        only_model = sorted(actual.keys() - planned.keys())[:3]
+        raise MoeOffloadError(f"the plan is for another model than {folder}: plan-only tensors {only_plan}, "
+                              f"model-only tensors {only_model}; plan this model again")
+    for name, t in planned.items():
+        if tuple(t.shape) != actual[name].shape:
+            raise MoeOffloadError(f"the plan gives {name} shape {list(t.shape)} but {folder} has "
+                                  f"{list(actual[name].shape)}; plan this model again")
+
+
+def _allocate(model: nn.Module, plan: Plan, dev: torch.device, *, want_uva: bool, dtype):
+    """name -> (host tensor or device tensor, tensor the model holds); host tensors in per-layer slabs."""
+    arena = HostArena(dev, want_uva)
+    meta = {**dict(model.named_parameters()), **{n: b for n, b in model.named_buffers()}}
+    targets: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    regions: dict[str, list] = defaultdict(list)
+    for t in plan.tensors:
+        m = meta[t.name]
+        tdtype = m.dtype
+        if t.tier == Tier.DEVICE:
+            x = torch.empty(t.shape, dtype=tdtype, device=dev)
+            if m.device.type != "meta":  # a buffer computed at construction: keep its value unless the checkpoint has one
+                x.copy_(m)
+            targets[t.name] = (x, x)
+        else:
+            region = f"layer {t.layer}" if t.layer is not None else "other"
+            regions[f"{t.component}:{region}"].append((t.name, tuple(t.shape), tdtype))
+    for region, specs in regions.items():
+        targets.update(arena.allocate(region, specs))
+    for name, (host, _) in targets.items():
+        m = meta[name]
+        if m.device.type != "meta" and arena.owns(host):
+            host.copy_(m)
+    return targets, arena
+
+
+def _stream_checkpoint(folder: Path, model: nn.Module, targets, by_name, progress: bool) -> None:
+    from safetensors import safe_open
+
+    files = safetensors_files(folder)
+    headers = read_headers(files)
+    slots = map_keys(model, headers.keys(), known=set(by_name))
+    written: dict[str, int] = defaultdict(int)
+    with _progress(0, progress) as bar:
+        task = bar.add_task("load", total=sum(t.bytes for t in by_name.values()))
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    slot = slots[key]
+                    if slot.target not in targets:
+                        raise CheckpointError(f"{path.name}: tensor {key!r} matches no tensor of the model; "
+                                              "the checkpoint and config.json are for different models")
+                    src = f.get_tensor(key)  # memory-mapped: pages are read as they are copied
+                    host, _ = targets[slot.target]
+                    dst = _destination(host, slot, key)
+                    if slot.transpose:
+                        src = src.transpose(*slot.transpose)
+                    if tuple(src.shape) != tuple(dst.shape):
+                        raise CheckpointError(
+                            f"{path.name}: {key!r} has shape {list(src.shape)}, but its place in "
+                            f"{slot.target} has shape {list(dst.shape)}; the checkpoint does not match config.json")
+                    if src.is_floating_point() != dst.is_floating_point():
+                        raise CheckpointError(f"{path.name}: {key!r} is {src.dtype}, the model expects {dst.dtype}; "
+                                              "the checkpoint does not match config.json")
+                    dst.copy_(src)
+                    written[slot.target] += dst.numel()
+                    bar.advance(task, dst.numel() * dst.element_size())
+    missing = [n for n, (host, _) in targets.items()
+               if written.get(n, 0) != host.numel() and not by_name[n].is_buffer]
+    if missing:
+        raise CheckpointError(f"{folder}: {len(missing)} tensor(s) not fully written by the checkpoint "
+                              f"(first: {missing[:3]}); the checkpoint is incomplete")
+
+
+def _destination(host: torch.Tensor, slot, key: str) -> torch.Tensor:
+    dst = host
+    if slot.expert is not None:
+        if slot.expert >= dst.shape[0]:
+            raise CheckpointError(f"checkpoint tensor {key!r} is expert {slot.expert}, but {slot.target} holds "
+                                  f"{dst.shape[0]} experts; the checkpoint does not match config.json")
+        dst = dst[slot.expert]
+    if slot.parts > 1:
+        size = dst.shape[slot.part_dim] // slot.parts
+        dst = dst.narrow(slot.part_dim, slot.part * size, size)
+    return dst
+
+
+def _move_buffers(model: nn.Module, dev: torch.device, loaded: set[str]) -> None:
+    """Non-persistent buffers (rotary tables) were computed on the CPU at construction: move them."""
+    for mod in model.modules():
+        for name, buf in list(mod._buffers.items()):
+            if buf is not None and buf.device != dev and buf.device.type != "meta":
+                mod._buffers[name] = buf.to(dev)
+    leftover = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if leftover:
+        raise CheckpointError(f"{len(leftover)} parameter(s) were not loaded (first: {leftover[:3]})")
+
+
+def _load_generation_config(model: nn.Module, folder: Path) -> None:
+    from transformers import GenerationConfig
+
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(str(folder), local_files_only=True)

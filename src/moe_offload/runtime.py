@@ -1,0 +1,337 @@
+"""The runtime: how offloaded weights are read while the model runs, and how many bytes that costs.
+
+Two backends, both real on every machine:
+
+- `uva`: kernels read offloaded weights in place, through device-visible views of pinned
+  host memory (storage.py). Nothing is copied up front.
+- `prefetch`: offloaded dense tensors are copied into reused device buffers before their
+  module runs (on a side stream, one module ahead, on CUDA); for routed experts only the
+  experts the router selected are staged; offloaded embedding tables are read by rows.
+
+Routed experts are run through an experts function registered with transformers' experts
+registry (`ALL_EXPERTS_FUNCTIONS`), which sees `top_k_index` before any expert weight is
+touched. It stages (prefetch) or reads in place (uva) just the selected experts, then runs
+the class's own eager forward on them, so the arithmetic is the model's own.
+
+Every backend counts the bytes it reads from the host tier per forward call: that is the
+measured link traffic (`LinkCounter`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+EXPERTS_IMPL = "moe_offload"
+BACKENDS = ("uva", "prefetch")
+
+
+@dataclass
+class LinkCounter:
+    """Bytes read from the host tier, per forward call of the whole model."""
+
+    calls: list[tuple[int, int]] = field(default_factory=list)  # (new tokens per sequence, bytes)
+    _pending: int = 0
+
+    def add(self, nbytes: int) -> None:
+        self._pending += int(nbytes)
+
+    def end_call(self, tokens_per_sequence: int) -> None:
+        self.calls.append((tokens_per_sequence, self._pending))
+        self._pending = 0
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self._pending = 0
+
+    def decode_bytes_per_token(self, batch: int = 1) -> float:
+        """Mean bytes per decoded token over decode steps (one new token per sequence), prefill excluded."""
+        steps = [b for n, b in self.calls if n == 1]
+        return sum(steps) / (len(steps) * batch) if steps else 0.0
+
+
+def _original_forward(module: nn.Module) -> Callable:
+    # `use_experts_implementation` wraps the class's eager forward with functools.wraps.
+    fwd = type(module).forward
+    return getattr(fwd, "__wrapped__", fwd)
+
+
+class _StagedExperts:
+    """The experts module as its eager forward sees it, with some tensors replaced by staged copies."""
+
+    def __init__(self, module: nn.Module, tensors: dict[str, torch.Tensor], num_experts: int):
+        object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "_tensors", tensors)
+        object.__setattr__(self, "num_experts", num_experts)
+
+    def __getattr__(self, name):
+        tensors = object.__getattribute__(self, "_tensors")
+        if name in tensors:
+            return tensors[name]
+        return getattr(object.__getattribute__(self, "_module"), name)
+
+
+def offloaded_experts_forward(module, hidden_states, top_k_index, top_k_weights):
+    """Experts function for transformers' registry: only the experts the router picked are read."""
+    state: _ExpertsState | None = getattr(module, "_moe_offload_state", None)
+    if state is None or not state.offloaded:
+        return _original_forward(module)(module, hidden_states, top_k_index, top_k_weights)
+    return state.run(module, hidden_states, top_k_index, top_k_weights)
+
+
+def _register_experts_function() -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if EXPERTS_IMPL not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPL, offloaded_experts_forward)
+
+
+@dataclass
+class _ExpertsState:
+    runtime: "Runtime"
+    offloaded: dict[str, torch.Tensor]  # local name -> host-tier tensor (device-visible view for uva)
+    num_experts: int
+
+    def run(self, module, hidden_states, top_k_index, top_k_weights):
+        # top_k_index: [T, k] expert ids; the selected experts are the only ones read.
+        selected = torch.unique(top_k_index)                     # [U], ascending
+        per_expert = sum(t[0].numel() * t.element_size() for t in self.offloaded.values())
+        self.runtime.counter.add(per_expert * selected.numel())
+        if self.runtime.backend == "uva":
+            # In place: the eager forward indexes each selected expert of the host view.
+            return _original_forward(module)(module, hidden_states, top_k_index, top_k_weights)
+        # prefetch: stage the U selected experts into reused buffers, renumber them 0..U-1. The eager
+        # loop then visits them in the same ascending order, so the arithmetic is bit-identical.
+        local = torch.searchsorted(selected, top_k_index)       # [T, k]
+        staged = {name: self.runtime.stage_rows(t, selected) for name, t in self.offloaded.items()}
+        view = _StagedExperts(module, staged, selected.numel())
+        return _original_forward(module)(view, hidden_states, local, top_k_weights)
+
+
+class Runtime:
+    """Holds one loaded model's backend state: host arena, staging buffers, counters and hook handles."""
+
+    def __init__(self, model: nn.Module, *, device: torch.device, backend: str, arena, host_names: dict[str, str]):
+        from .errors import DeviceError
+
+        if backend not in BACKENDS:
+            raise DeviceError(f"unknown backend {backend!r}: use uva or prefetch")
+        self.model = model
+        self.device = device
+        self.backend = backend
+        self.arena = arena
+        self.host_names = dict(host_names)  # in-memory name -> tier ("host"/"disk"), tracked by name
+        self.counter = LinkCounter()
+        self._handles: list = []
+        self._staging: dict[tuple, torch.Tensor] = {}
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    # --- mechanism report ----------------------------------------------------------------
+    @property
+    def mechanism(self) -> str:
+        if self.device.type == "cpu":
+            return (f"{self.backend} on cpu: no accelerator, the host tier is ordinary memory "
+                    "(time figures measure overhead, not a link)")
+        if self.backend == "uva":
+            return "uva: kernels read mapped pinned host memory in place"
+        return "prefetch: pinned host memory copied to reused device buffers on a side stream"
+
+    @property
+    def host_bytes(self) -> int:
+        return self.arena.nbytes
+
+    # --- staging -------------------------------------------------------------------------
+    def _buffer(self, key: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        need = math.prod(shape)
+        buf = self._staging.get(key)
+        if buf is None or buf.numel() < need:
+            buf = torch.empty(need, dtype=dtype, device=self.device)
+            self._staging[key] = buf
+        return buf[:need].view(shape)
+
+    def stage_rows(self, host: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Copy host[rows] into a reused device buffer (one per row shape, shared by all layers)."""
+        count = rows.numel()
+        out = self._buffer(("rows", tuple(host.shape[1:]), host.dtype), (count, *host.shape[1:]), host.dtype)
+        if self.device.type == "cpu":
+            torch.index_select(host, 0, rows, out=out)
+        else:
+            # Row by row from pinned memory: asynchronous DMA, no pageable temporary.
+            for i, r in enumerate(rows.tolist()):
+                out[i].copy_(host[r], non_blocking=True)
+        return out
+
+    # --- attach / detach -------------------------------------------------------------------
+    def attach(self) -> None:
+        """Route offloaded reads through this runtime: experts function, embedding and dense hooks."""
+        from .roles import Role  # noqa: F401  (roles are carried by the plan; imported for clarity)
+
+        _register_experts_function()
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        by_module: dict[str, list[str]] = {}
+        for name in self.host_names:
+            if name not in params:
+                continue
+            mod_name, _, local = name.rpartition(".")
+            by_module.setdefault(mod_name, []).append(local)
+        experts_modules = []
+        for mod_name, mod in self.model.named_modules():
+            locals_ = by_module.get(mod_name)
+            is_experts = hasattr(type(mod).forward, "__wrapped__") and "Experts" in type(mod).__name__
+            if is_experts:
+                experts_modules.append(mod)
+                offl = {n: getattr(mod, n) for n in (locals_ or [])}
+                num = next((getattr(mod, f) for f in ("num_experts", "num_local_experts") if hasattr(mod, f)), None)
+                mod._moe_offload_state = _ExpertsState(self, offl, num or 0)
+            elif locals_ and isinstance(mod, nn.Embedding):
+                self._hook_embedding(mod, locals_)
+            elif locals_:
+                self._hook_dense(mod_name, mod, locals_)
+        if experts_modules:
+            self.model.set_experts_implementation(EXPERTS_IMPL)
+        self._handles.append(self.model.register_forward_pre_hook(self._top_pre, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(self._top_post, with_kwargs=True))
+        self._experts_modules = experts_modules
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for mod in getattr(self, "_experts_modules", []):
+            mod.__dict__.pop("_moe_offload_state", None)
+
+    # --- hooks ---------------------------------------------------------------------------
+    def _top_pre(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        self._tokens = int(ids.shape[1]) if ids is not None and ids.dim() >= 2 else 1
+
+    def _top_post(self, module, args, kwargs, output):
+        self.counter.end_call(getattr(self, "_tokens", 1))
+
+    def _hook_embedding(self, mod: nn.Embedding, locals_: list[str]) -> None:
+        host = mod.weight
+        row_bytes = host[0].numel() * host.element_size()
+
+        def pre(m, args):
+            (ids,) = args[:1]
+            rows = torch.unique(ids)                       # only these rows cross the link
+            self.counter.add(rows.numel() * row_bytes)
+            if self.backend == "uva":
+                return None
+            m._parameters["weight"] = nn.Parameter(self.stage_rows(host_ref[0], rows), requires_grad=False)
+            return (torch.searchsorted(rows, ids), *args[1:])
+
+        def post(m, args, output):
+            if self.backend != "uva":
+                m._parameters["weight"] = host_ref[0]
+
+        host_ref = [host]
+        self._embedding_refs = getattr(self, "_embedding_refs", {})
+        self._embedding_refs[id(mod)] = host_ref
+        self._handles.append(mod.register_forward_pre_hook(pre))
+        self._handles.append(mod.register_forward_hook(post))
+
+    def _hook_dense(self, mod_name: str, mod: nn.Module, locals_: list[str]) -> None:
+        nbytes = sum(getattr(mod, n).numel() * getattr(mod, n).element_size() for n in locals_)
+        if self.backend == "uva":
+            self._handles.append(mod.register_forward_pre_hook(lambda m, a: self.counter.add(nbytes)))
+            return
+        if not hasattr(self, "_dense"):
+            self._dense = _DensePrefetcher(self)
+        self._dense.add(mod, locals_, nbytes)
+
+
+class _DensePrefetcher:
+    """Stages offloaded dense tensors into a ring of two reused device buffers.
+
+    Module j runs from ring slot s while module j+1 (the module that followed j last time)
+    is copied into slot 1-s on a side stream (CUDA). The side stream waits until the
+    compute stream has finished with slot 1-s; the compute stream waits until the copy has
+    landed. Without CUDA (or for the first call) the copy is made in line. Device memory
+    used: two slots of the largest module's offloaded bytes.
+    """
+
+    def __init__(self, runtime: Runtime):
+        self.rt = runtime
+        self.ring: list[torch.Tensor | None] = [None, None]
+        self.staged: list[tuple[int, list[torch.Tensor]] | None] = [None, None]   # (module id, views)
+        self.ready: list = [None, None]
+        self.free: list = [None, None]
+        self.order: dict[int, nn.Module] = {}   # module id -> module that ran after it
+        self.modules: dict[int, tuple[nn.Module, list[str], int]] = {}
+        self.last: int | None = None
+        self.slot = 0
+
+    def add(self, mod: nn.Module, locals_: list[str], nbytes: int) -> None:
+        self.modules[id(mod)] = (mod, locals_, nbytes)
+        self.rt._handles.append(mod.register_forward_pre_hook(self.pre))
+        self.rt._handles.append(mod.register_forward_hook(self.post))
+
+    def _copy_into(self, slot: int, mod: nn.Module, locals_: list[str]) -> list[torch.Tensor]:
+        hosts = [mod._moe_offload_host[n] for n in locals_]
+        sizes = [-(-h.numel() * h.element_size() // 16) * 16 for h in hosts]
+        buf = self.ring[slot]
+        if buf is None or buf.numel() < sum(sizes):
+            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.rt.device)
+            self.ring[slot] = buf
+        views, off = [], 0
+        for h, size in zip(hosts, sizes):
+            v = buf[off:off + h.numel() * h.element_size()].view(h.dtype).view(h.shape)
+            v.copy_(h, non_blocking=True)
+            views.append(v)
+            off += size
+        self.staged[slot] = (id(mod), views)
+        return views
+
+    def pre(self, mod, args):
+        _, locals_, nbytes = self.modules[id(mod)]
+        self.rt.counter.add(nbytes)                           # read in full, every call
+        if not hasattr(mod, "_moe_offload_host"):
+            mod._moe_offload_host = {n: mod._parameters[n] for n in locals_}
+        if self.last is not None and id(mod) not in self.order.get(self.last, ()):
+            self.order[self.last] = (id(mod),)
+        self.last = id(mod)
+        stream = self.rt._stream
+        staged = self.staged[self.slot]
+        if staged is not None and staged[0] == id(mod):
+            views = staged[1]
+            if stream is not None:
+                torch.cuda.current_stream(self.rt.device).wait_event(self.ready[self.slot])
+        else:
+            views = self._copy_into(self.slot, mod, locals_)
+        for n, v in zip(locals_, views):
+            mod._parameters[n] = nn.Parameter(v, requires_grad=False)
+        self._prefetch_next(mod)
+        return None
+
+    def _prefetch_next(self, mod) -> None:
+        stream = self.rt._stream
+        nxt = self.order.get(id(mod))
+        if stream is None or not nxt:
+            return
+        other = 1 - self.slot
+        nxt_mod, nxt_locals, _ = self.modules[nxt[0]]
+        if not hasattr(nxt_mod, "_moe_offload_host"):
+            return
+        if self.free[other] is not None:
+            stream.wait_event(self.free[other])
+        with torch.cuda.stream(stream):
+            self._copy_into(other, nxt_mod, nxt_locals)
+            self.ready[other] = torch.cuda.Event()
+            self.ready[other].record(stream)
+
+    def post(self, mod, args, output):
+        _, locals_, _ = self.modules[id(mod)]
+        for n in locals_:
+            mod._parameters[n] = mod._moe_offload_host[n]
+        if self.rt._stream is not None:
+            self.free[self.slot] = torch.cuda.Event()
+            self.free[self.slot].record(torch.cuda.current_stream(self.rt.device))
+        # The next module runs from the other slot (where its prefetch went, if any).
+        self.slot = 1 - self.slot

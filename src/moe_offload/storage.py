@@ -1,0 +1,177 @@
+"""The host tier: exact-size host memory for offloaded weights, and device-visible views of it.
+
+This is the only module that touches accelerator-specific memory APIs; everything in it
+that needs CUDA is small and says so.
+
+Why exact size: a caching host allocator rounds each request up to a power of two (a
+305 GiB offload once took 504 GiB of host RAM and was OOM-killed). We allocate one plain
+host slab per region (a decoder layer, say), sub-allocate tensors in it at their natural
+alignment, and pin the slab in place with `cudaHostRegister`, which neither rounds nor
+caches. Host memory used equals the offloaded bytes plus a few bytes of alignment.
+
+Mechanisms, reported as they are (never a silent fallback):
+- `pinned+uva`: CUDA, slab registered as mapped pinned memory; kernels read it in place
+  through a CUDA tensor made from the slab's address (`__cuda_array_interface__`, a public
+  protocol torch consumes zero-copy). The view's address is stable (CUDA-graph friendly).
+- `pinned`: CUDA, registered but not mapped into a view (the prefetch backend copies from it).
+- `host`: no accelerator: the host tier is ordinary memory; both backends still run so
+  their logic is exercised everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+_ALIGN = 16  # bytes: enough for vector loads, small enough that padding stays far below 1%
+
+
+def accelerator_available() -> bool:
+    acc = getattr(torch, "accelerator", None)
+    return bool(acc is not None and acc.is_available())
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to run on: the accelerator when there is one, else cpu; a named device must exist."""
+    from .errors import DeviceError
+
+    if device is None:
+        if accelerator_available():
+            return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise DeviceError(f"{device!r} is not a device name: use cpu, cuda, cuda:1, xpu, ...") from exc
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "meta":
+        raise DeviceError("meta is not a device to run on: use cpu or an accelerator")
+    acc = torch.accelerator.current_accelerator() if accelerator_available() else None
+    if acc is None or acc.type != dev.type:
+        raise DeviceError(f"device {device!r} is not available on this machine (accelerator: "
+                          f"{acc.type if acc else 'none'}); use --device cpu or leave --device out")
+    count = torch.accelerator.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise DeviceError(f"device {device!r} does not exist: this machine has {count} {dev.type} device(s)")
+    return dev
+
+
+@dataclass
+class Slab:
+    region: str
+    host: torch.Tensor               # uint8, the whole slab in host memory
+    registered: bool = False         # cudaHostRegister'ed (pinned)
+    view: torch.Tensor | None = None  # uint8 device-visible view of the same bytes (uva), else None
+
+    @property
+    def nbytes(self) -> int:
+        return self.host.numel()
+
+    def contains(self, t: torch.Tensor) -> bool:
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        for base in (self.host, self.view):
+            if base is not None and base.data_ptr() <= start and end <= base.data_ptr() + base.numel():
+                return True
+        return False
+
+
+@dataclass
+class HostArena:
+    """Exact-size host slabs for one model's offloaded tensors."""
+
+    device: torch.device
+    want_uva: bool
+    slabs: list[Slab] = field(default_factory=list)
+
+    @property
+    def mechanism(self) -> str:
+        if self.device.type == "cpu":
+            return "host (no accelerator: the host tier is ordinary memory)"
+        return "pinned+uva (mapped pinned host memory read in place)" if self.want_uva else \
+            "pinned (host memory staged onto the device)"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.slabs)
+
+    def allocate(self, region: str, specs: list[tuple[str, tuple[int, ...], torch.dtype]]
+                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """One slab for `specs` [(name, shape, dtype)].
+
+        Returns name -> (host tensor, device-visible tensor): the same tensor without an
+        accelerator or without uva, else the host tensor and its zero-copy device view.
+        """
+        offsets, cursor = [], 0
+        for _, shape, dtype in specs:
+            cursor = -(-cursor // _ALIGN) * _ALIGN
+            offsets.append(cursor)
+            cursor += math.prod(shape) * dtype.itemsize
+        host = torch.empty(cursor, dtype=torch.uint8)  # plain malloc-backed memory: exact size
+        slab = Slab(region, host)
+        if self.device.type != "cpu":
+            _pin(slab)
+            if self.want_uva:
+                slab.view = _device_view(slab.host, self.device)
+        self.slabs.append(slab)
+        out = {}
+        for (name, shape, dtype), off in zip(specs, offsets):
+            n = math.prod(shape) * dtype.itemsize
+            host_t = slab.host[off:off + n].view(dtype).view(shape)
+            view_t = slab.view[off:off + n].view(dtype).view(shape) if slab.view is not None else host_t
+            out[name] = (host_t, view_t)
+        return out
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return any(s.contains(t) for s in self.slabs)
+
+    def release(self) -> None:
+        for slab in self.slabs:
+            if slab.registered:
+                _unpin(slab)
+        self.slabs.clear()
+
+
+# --- CUDA-only pieces: small on purpose; exercised by benchmarks/gpu_check.py on a GPU -----
+
+def _pin(slab: Slab) -> None:
+    """Page-lock the slab in place (exact size, no caching allocator) and map it for the device."""
+    from .errors import DeviceError
+
+    if not hasattr(torch, "cuda") or not torch.cuda.is_available():
+        raise DeviceError("pinned host memory needs CUDA here; this accelerator has no cudaHostRegister "
+                          "(run with --backend prefetch, or --device cpu)")
+    cudart = torch.cuda.cudart()
+    # cudaHostRegisterPortable (1) | cudaHostRegisterMapped (2): usable from every device, mapped for UVA.
+    err = cudart.cudaHostRegister(slab.host.data_ptr(), slab.nbytes, 3)
+    if int(err) != 0:
+        raise DeviceError(f"cudaHostRegister of {slab.nbytes} bytes failed (error {int(err)}): the host cannot "
+                          "pin that much memory; lower --offload-gb or raise the memlock limit")
+    slab.registered = True
+
+
+def _unpin(slab: Slab) -> None:
+    torch.cuda.cudart().cudaHostUnregister(slab.host.data_ptr())
+    slab.registered = False
+
+
+class _CudaArray:
+    """A `__cuda_array_interface__` over mapped pinned memory: torch builds a CUDA tensor on it, zero-copy.
+
+    Under unified virtual addressing (every 64-bit CUDA platform) the device address of
+    registered, mapped host memory equals its host address.
+    """
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+def _device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    with torch.cuda.device(device):
+        view = torch.as_tensor(_CudaArray(host.data_ptr(), host.numel()), device=device)
+    assert view.data_ptr() == host.data_ptr(), "UVA view must alias the pinned slab, not copy it"
+    return view
