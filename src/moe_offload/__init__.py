@@ -18,6 +18,27 @@ from .roles import Role
 __version__ = "0.1.0"
 
 
+def load(model_dir, *, device=None, backend: str | None = None, plan: "Plan | str | None" = None,
+         dtype: str | None = None, progress: bool = False, **budget):
+    """Build a model from a local checkpoint straight into its plan; returns (model, plan).
+
+    Budget options as for `plan` (offload_gb, device_memory_gb, reserve_gb, policy,
+    offload_params, batch), or `plan=` a Plan / saved plan JSON. The model is an ordinary
+    transformers model (`model.generate(...)` works) with a `moe_offload_runtime` attribute
+    that says which mechanism is used and counts the bytes read over the link.
+    """
+    from .loader import load as _load
+
+    return _load(model_dir, device=device, backend=backend, plan=plan, dtype=dtype, progress=progress, **budget)
+
+
+def audit(model, plan: Plan):
+    """Every tensor whose actual tier differs from the plan: [(name, planned, actual, bytes)]; empty when in place."""
+    from .audit import audit as _audit
+
+    return _audit(model, plan)
+
+
 def plan(source, *, offload_gb: float | None = None, device_memory_gb: float | None = None,
          reserve_gb: float | None = None, policy: str = "sparse-first", offload_params: Sequence[str] | None = None,
          dtype: str | None = None, batch: int = 1) -> Plan:
@@ -34,6 +55,6 @@ def plan(source, *, offload_gb: float | None = None, device_memory_gb: float | N
 
 
 __all__ = [
-    "plan", "Plan", "PlannedTensor", "Policy", "Tier", "Role", "Inventory", "TensorRecord", "inventory",
+    "plan", "load", "audit", "Plan", "PlannedTensor", "Policy", "Tier", "Role", "Inventory", "TensorRecord", "inventory",
     "MoeOffloadError", "ConfigError", "CheckpointError", "BudgetError", "SelectorError", "DeviceError", "AuditError",
 ]

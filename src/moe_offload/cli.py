@@ -70,6 +70,80 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _runtime_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=["uva", "prefetch"], default="uva",
+                   help="uva: offloaded weights read in place through device-visible views of host memory "
+                        "(default); prefetch: staged onto the device before use")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: the accelerator when there is one, else cpu)")
+
+
+def load_for_cli(args, **extra):
+    """Load MODEL with the command's budget and runtime options; returns (model, plan, tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from . import load
+
+    folder = _model_path(args.model)
+    if not folder.is_dir():
+        raise MoeOffloadError(f"{folder} is a file: generate and bench need the model folder (weights + tokenizer)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise MoeOffloadError(f"{folder} has no usable tokenizer ({type(exc).__name__}); the folder needs "
+                              "tokenizer.json / tokenizer_config.json as save_pretrained writes them") from exc
+    model, plan = load(folder, device=args.device, backend=args.backend, dtype=args.dtype,
+                       progress=not getattr(args, "json", False) and sys.stderr.isatty(), **_budget_kwargs(args),
+                       **extra)
+    return model, plan, tokenizer
+
+
+def cmd_generate(args) -> int:
+    import time
+
+    import torch
+
+    from .planner import format_bytes
+
+    if args.max_new_tokens < 1:
+        raise MoeOffloadError(f"--max-new-tokens {args.max_new_tokens}: give at least 1")
+    model, plan, tokenizer = load_for_cli(args)
+    runtime = model.moe_offload_runtime
+    enc = tokenizer(args.prompt, return_tensors="pt").to(runtime.device)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    if args.ignore_eos:
+        kwargs["min_new_tokens"] = args.max_new_tokens
+    runtime.counter.reset()
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(**enc, **kwargs)
+    elapsed = time.perf_counter() - start
+    new = out[0, enc["input_ids"].shape[1]:].tolist()
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    result = {
+        "text": text,
+        "token_ids": new,
+        "device": str(runtime.device),
+        "backend": runtime.backend,
+        "mechanism": runtime.mechanism,
+        "offloaded_bytes": plan.offloaded_bytes,
+        "host_bytes": runtime.host_bytes,
+        "link_bytes_per_token": runtime.counter.decode_bytes_per_token(),
+        "planned_link_bytes_per_token": plan.link_bytes_per_token(1),
+        "tokens_per_s": len(new) / elapsed if elapsed > 0 else None,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{args.prompt}{text}")
+    print(f"-- {len(new)} tokens, {result['tokens_per_s']:.1f} tok/s (prefill included) on {runtime.device}, "
+          f"backend {runtime.backend}", file=sys.stderr)
+    print(f"-- {runtime.mechanism}", file=sys.stderr)
+    print(f"-- offloaded {format_bytes(plan.offloaded_bytes)} (host memory used {format_bytes(runtime.host_bytes)}); "
+          f"link bytes per decoded token: measured {format_bytes(result['link_bytes_per_token'])}, "
+          f"planned {format_bytes(result['planned_link_bytes_per_token'])}", file=sys.stderr)
+    return 0
+
+
 def cmd_make_tiny(args) -> int:
     from .tiny import make_tiny
 
@@ -104,6 +178,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as one JSON document")
     p.add_argument("--save", metavar="PLAN.json", help="save the plan (load it with `moe_offload.load(plan=...)`)")
     p.set_defaults(func=cmd_plan)
+
+    g = sub.add_parser("generate", help="greedy decoding with the model loaded into its plan")
+    g.add_argument("model", help="model folder (config.json, safetensors, tokenizer)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    _budget_options(g)
+    _runtime_options(g)
+    g.add_argument("--json", action="store_true", help="print the result as one JSON document")
+    g.set_defaults(func=cmd_generate)
 
     t = sub.add_parser("make-tiny", help="write a small random-weight model folder")
     t.add_argument("dir")

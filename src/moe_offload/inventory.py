@@ -202,7 +202,9 @@ def _quant_rule(config):
         return None
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     method = qc.get("quant_method")
-    skip = tuple(qc.get("modules_to_not_convert") or ())
+    # Without a list, transformers keeps the output embedding unquantized (quantizers.base.get_keys_to_not_convert):
+    # DeepSeek-V3's fp8 checkpoint stores lm_head in bf16. A given list replaces that default.
+    skip = tuple(qc["modules_to_not_convert"]) if qc.get("modules_to_not_convert") is not None else ("lm_head",)
 
     def skipped(name):
         return any(s and (name == s or name.startswith(s + ".") or f".{s}." in f".{name}.") for s in skip)
@@ -334,6 +336,23 @@ def read_headers(files) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
     return out
 
 
+def _slot_shape(slot, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A checkpoint tensor's shape once its slot's transpose is applied."""
+    shape = list(shape)
+    if slot.transpose is not None:
+        i, j = slot.transpose
+        shape[i], shape[j] = shape[j], shape[i]
+    return tuple(shape)
+
+
+def _expected_slot_shape(slot, full: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape a checkpoint tensor must have to fill its slot of an in-memory tensor of shape `full`."""
+    shape = list(full[1:] if slot.expert is not None else full)
+    if slot.parts > 1 and 0 <= slot.part_dim < len(shape):
+        shape[slot.part_dim] //= slot.parts
+    return tuple(shape)
+
+
 def from_checkpoint(folder, *, dtype: str | None = None) -> Inventory:
     folder = Path(folder)
     config = read_config(folder)
@@ -356,11 +375,17 @@ def from_checkpoint(folder, *, dtype: str | None = None) -> Inventory:
                 break
         owner[key] = stripped
     slots = map_keys(model, sorted(set(owner.values())), known=known)
+    by_name = base.by_name()
+    aliases = dict(base.tied)  # a tied checkpoint may still store `lm_head.weight`; transformers drops the copy
     nbytes: dict[str, int] = {}
     dtypes: dict[str, str] = {}
-    unexpected = []
+    covered: dict[str, set] = {}   # target -> {(expert, part)} of the checkpoint tensors holding its values
+    unexpected, misshapen = [], []
     for key, (_, st_dtype, shape) in headers.items():
-        target = slots[owner[key]].target
+        slot = slots[owner[key]]
+        target = slot.target
+        if target in aliases:
+            continue
         if target not in known:
             unexpected.append(key)
             continue
@@ -370,11 +395,25 @@ def from_checkpoint(folder, *, dtype: str | None = None) -> Inventory:
             dtypes[target] = "mxfp4"
         elif owner[key] == key:
             dtypes[target] = name
+        if owner[key] == key or key.endswith("_blocks"):
+            covered.setdefault(target, set()).add((slot.expert, slot.part, slot.parts))
+        if owner[key] == key and _slot_shape(slot, shape) != _expected_slot_shape(slot, by_name[target].shape):
+            misshapen.append(f"{key} {list(shape)} (needs {list(_expected_slot_shape(slot, by_name[target].shape))})")
     if unexpected:
         raise CheckpointError(
             f"{folder}: {len(unexpected)} checkpoint tensor(s) match no tensor of {type(model).__name__} "
             f"(first: {unexpected[:3]}); the checkpoint and config.json are for different models")
+    if misshapen:
+        raise CheckpointError(
+            f"{folder}: {len(misshapen)} checkpoint tensor(s) have the wrong shape for {type(model).__name__} "
+            f"(first: {misshapen[:3]}); the checkpoint and config.json are for different models")
     missing = [r.name for r in base.records if r.name not in nbytes and not r.is_buffer]
+    # A fused tensor (E experts x parts) needs every one of its per-expert checkpoint tensors.
+    for target, cov in covered.items():
+        per_expert = any(expert is not None for expert, _, _ in cov)
+        need = (by_name[target].shape[0] if per_expert else 1) * max(parts for _, _, parts in cov)
+        if len(cov) < need:
+            missing.append(f"{target} ({len(cov)} of its {need} per-expert/part tensors)")
     if missing:
         raise CheckpointError(
             f"{folder}: {len(missing)} tensor(s) of the model are in no checkpoint file (first: {missing[:3]}); "

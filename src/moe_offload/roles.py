@@ -57,7 +57,9 @@ def classify(record: TensorRecord, *, tied_head: bool = False) -> Role:
         return Role.LM_HEAD  # one tensor, read in full by every token as the LM head
     if seg_set & _SHARED:
         return Role.SHARED_EXPERT
-    if seg_set & _ROUTER or "Router" in record.module_class or "Gate" in record.module_class:
+    # A router module's class ends in Router/Gate (`Qwen3MoeTopKRouter`, DeepSeek's `MoEGate`); a substring
+    # test would also catch Qwen3-Next's linear attention (`Qwen3NextGatedDeltaNet`, `Qwen3NextRMSNormGated`).
+    if seg_set & _ROUTER or record.module_class.endswith(("Router", "Gate")):
         return Role.ROUTER
     if _EXPERTS & set(modules):
         return Role.ROUTED_EXPERT

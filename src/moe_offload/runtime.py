@@ -108,6 +108,10 @@ class _ExpertsState:
         # loop then visits them in the same ascending order, so the arithmetic is bit-identical.
         local = torch.searchsorted(selected, top_k_index)       # [T, k]
         staged = {name: self.runtime.stage_rows(t, selected) for name, t in self.offloaded.items()}
+        for name, p in module.named_parameters(recurse=False):
+            # Resident per-expert tensors are renumbered too (a device-local gather, no link bytes).
+            if name not in staged and p.dim() >= 1 and p.shape[0] == self.num_experts:
+                staged[name] = p.index_select(0, selected)
         view = _StagedExperts(module, staged, selected.numel())
         return _original_forward(module)(view, hidden_states, local, top_k_weights)
 
@@ -225,13 +229,18 @@ class Runtime:
             if self.backend == "uva":
                 return None
             m._parameters["weight"] = nn.Parameter(self.stage_rows(host_ref[0], rows), requires_grad=False)
+            # padding_idx indexes the full table (it only masks gradients): F.embedding rejects it when it is
+            # beyond the staged rows, so it is lifted while the staged table is in place.
+            padding_ref[0], m.padding_idx = m.padding_idx, None
             return (torch.searchsorted(rows, ids), *args[1:])
 
         def post(m, args, output):
             if self.backend != "uva":
                 m._parameters["weight"] = host_ref[0]
+                m.padding_idx = padding_ref[0]
 
         host_ref = [host]
+        padding_ref = [mod.padding_idx]
         self._embedding_refs = getattr(self, "_embedding_refs", {})
         self._embedding_refs[id(mod)] = host_ref
         self._handles.append(mod.register_forward_pre_hook(pre))

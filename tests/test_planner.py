@@ -1,0 +1,550 @@
+"""The planner on hand-built inventories: every tier asserted, every byte count derived by hand.
+
+Toy MoE layer used throughout (bfloat16, 2 bytes per element; hidden 8, E=4 experts, top-k 2):
+
+    model.layers.L.input_layernorm.weight            (8,)       16 B   norm
+    model.layers.L.self_attn.q_proj.weight           (8, 8)    128 B   attention
+    model.layers.L.self_attn.o_proj.weight           (8, 8)    128 B   attention
+    model.layers.L.post_attention_layernorm.weight   (8,)       16 B   norm
+    model.layers.L.mlp.gate.weight                   (4, 8)     64 B   router
+    model.layers.L.mlp.experts.gate_up_proj          (4, 8, 8) 512 B   routed expert
+    model.layers.L.mlp.experts.down_proj             (4, 8, 4) 256 B   routed expert
+                                                              -----
+                                                     layer   1120 B   (experts 768 B, dense 352 B)
+
+Around the layers: model.embed_tokens.weight (16, 8) 256 B (vocab 16: density 1/16),
+model.norm.weight (8,) 16 B, lm_head.weight (16, 8) 256 B.
+Routed-expert density at batch b: 1 - (1 - 2/4)^b = 1/2 at b=1, 15/16 at b=4.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from moe_offload.errors import BudgetError, MoeOffloadError, SelectorError
+from moe_offload.inventory import Inventory, TensorRecord, component_of, layer_of
+from moe_offload.planner import GiB, Plan, Tier, matches_selector, plan
+from moe_offload.roles import Role
+
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def record(name, shape, dtype="bfloat16", module_class="", is_buffer=False) -> TensorRecord:
+    return TensorRecord(name, tuple(shape), dtype, math.prod(shape) * ITEMSIZE[dtype], layer_of(name),
+                        component_of(name), module_class, is_buffer)
+
+
+def make_inv(specs, *, experts=4, top_k=2, tied=(), model_type="qwen3_moe") -> Inventory:
+    """An Inventory from (name, shape[, dtype[, module_class[, is_buffer]]]) tuples, in declaration order."""
+    return Inventory(tuple(record(*s) for s in specs), model_type, experts, top_k, tuple(tied))
+
+
+def layer(i: int) -> list[tuple]:
+    p = f"model.layers.{i}"
+    return [
+        (f"{p}.input_layernorm.weight", (8,), "bfloat16", "Qwen3MoeRMSNorm"),        # 16 B
+        (f"{p}.self_attn.q_proj.weight", (8, 8), "bfloat16", "Linear"),              # 128 B
+        (f"{p}.self_attn.o_proj.weight", (8, 8), "bfloat16", "Linear"),              # 128 B
+        (f"{p}.post_attention_layernorm.weight", (8,), "bfloat16", "Qwen3MoeRMSNorm"),  # 16 B
+        (f"{p}.mlp.gate.weight", (4, 8), "bfloat16", "Linear"),                      # 64 B
+        (f"{p}.mlp.experts.gate_up_proj", (4, 8, 8), "bfloat16", "Qwen3MoeExperts"),  # 512 B
+        (f"{p}.mlp.experts.down_proj", (4, 8, 4), "bfloat16", "Qwen3MoeExperts"),     # 256 B
+    ]
+
+
+EMBED = ("model.embed_tokens.weight", (16, 8), "bfloat16", "Embedding")   # 256 B
+FINAL_NORM = ("model.norm.weight", (8,), "bfloat16", "Qwen3MoeRMSNorm")   # 16 B
+LM_HEAD = ("lm_head.weight", (16, 8), "bfloat16", "Linear")               # 256 B
+
+
+def full_model(layers: int = 1, tied: bool = False) -> Inventory:
+    """embed + layers + norm (+ lm_head unless tied). 1 layer untied: 256 + 1120 + 16 + 256 = 1648 B."""
+    specs = [EMBED, *[s for i in range(layers) for s in layer(i)], FINAL_NORM]
+    if tied:  # named_parameters() lists a tied tensor once, under its first name
+        return make_inv(specs, tied=(("lm_head.weight", "model.embed_tokens.weight"),))
+    return make_inv(specs + [LM_HEAD])
+
+
+def gb(nbytes: int) -> float:
+    """A byte count as GiB, exactly (GiB is a power of two)."""
+    return nbytes / GiB
+
+
+def host(p: Plan) -> list[str]:
+    return [t.name for t in p.tensors if t.tier == "host"]
+
+
+def expert_names(layers) -> list[str]:
+    return [f"model.layers.{i}.mlp.experts.{w}" for i in layers for w in ("gate_up_proj", "down_proj")]
+
+
+# ---------------------------------------------------------------------------------------
+# Sparse-first ordering
+
+
+def test_experts_go_before_attention_router_and_norm_inside_a_layer():
+    inv = make_inv(layer(0))   # dense declared first: norm, attention, router, then experts
+    p = plan(inv, offload_gb=gb(768))   # exactly the experts: 512 + 256
+    assert host(p) == expert_names([0])
+    assert p.offloaded_bytes == 768 and p.resident_bytes == 352 and p.budget_bytes == 768
+
+    p = plan(inv, offload_gb=gb(512))   # gate_up_proj alone meets it
+    assert host(p) == ["model.layers.0.mlp.experts.gate_up_proj"]
+
+    p = plan(inv, offload_gb=gb(513))   # one byte more needs down_proj too; still no dense tensor
+    assert host(p) == expert_names([0])
+
+    p = plan(inv, offload_gb=gb(768 + 1))   # past the experts: the first declared dense tensor (16 B norm)
+    assert host(p) == ["model.layers.0.input_layernorm.weight", *expert_names([0])]
+
+
+@pytest.mark.parametrize("order", ["declared", "reversed", "shuffled"])
+def test_global_budget_of_all_experts_offloads_every_layers_experts_and_no_dense(order):
+    specs = [s for i in range(6) for s in layer(i)]
+    if order == "reversed":
+        specs.reverse()
+    elif order == "shuffled":
+        random.Random(7).shuffle(specs)
+    inv = make_inv(specs)
+    p = plan(inv, offload_gb=gb(6 * 768))   # 4608 B: the experts of all six layers
+    assert sorted(host(p)) == sorted(expert_names(range(6)))
+    assert p.offloaded_bytes == 4608
+    assert all(t.tier == "device" for t in p.tensors if t.role != "routed_expert")
+    assert not any("dense" in n for n in p.notes)
+
+
+def test_large_batch_where_expert_density_rounds_to_one_still_offloads_experts_first():
+    # At batch 64, 1 - (1/2)^64 == 1.0 in float64: the experts tie with dense tensors, and the
+    # dense tensors declared first must not win the tie.
+    inv = make_inv(layer(0) + layer(1))
+    p = plan(inv, offload_gb=gb(2 * 768), batch=64)
+    assert host(p) == expert_names([0, 1])
+    assert not any(n.startswith("dense tensors offloaded") for n in p.notes)
+
+
+@pytest.mark.parametrize("prefix", ["model.visual", "model.vision_tower"])
+def test_vision_tower_declared_first_stays_resident_below_the_experts(prefix):
+    tower = [
+        (f"{prefix}.patch_embed.proj.weight", (8, 12)),        # 192 B
+        (f"{prefix}.blocks.0.norm1.weight", (8,)),              # 16 B
+        (f"{prefix}.blocks.0.attn.qkv.weight", (24, 8)),        # 384 B
+        (f"{prefix}.blocks.0.mlp.fc1.weight", (32, 8)),         # 512 B
+    ]                                                           # tower: 1104 B = 1.08 KiB
+    inv = make_inv(tower + layer(0) + layer(1))                 # experts: 2 x 768 = 1536 B
+    assert {component_of(n) for n, _ in tower} == {"vision"}
+
+    p = plan(inv, offload_gb=gb(1000))
+    # gate_up_proj of layer 0 (512 B), down_proj (256 B), gate_up_proj of layer 1 (512 B): 1280 >= 1000
+    assert host(p) == ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
+                       "model.layers.1.mlp.experts.gate_up_proj"]
+    assert all(t.tier == "device" for t in p.tensors if t.component == "vision")
+    assert "the vision tower (1.08 KiB) stays resident: the budget was met before its turn" in p.notes
+    assert not any(n.startswith("dense tensors offloaded") for n in p.notes)
+
+    # The legacy declaration order offloads the tower first: the reported bug, reproduced on purpose.
+    legacy = plan(inv, offload_gb=gb(1000), policy="declaration")
+    assert host(legacy) == [n for n, _ in tower]   # 192 + 16 + 384 + 512 = 1104 >= 1000
+    assert not any("stays resident" in n for n in legacy.notes)
+
+
+def test_tower_not_selected_by_offload_params_is_said_so():
+    tower = [("model.visual.blocks.0.mlp.fc1.weight", (32, 8))]   # 512 B
+    p = plan(make_inv(tower + layer(0)), offload_gb=gb(256), offload_params=["experts"])
+    assert host(p) == ["model.layers.0.mlp.experts.gate_up_proj"]
+    assert "the vision tower (512 B) stays resident: --offload-params selects none of it" in p.notes
+
+
+def test_untied_input_embedding_goes_before_experts():
+    inv = full_model()
+    p = plan(inv, offload_gb=gb(256))   # the embedding alone: density 1/16 < 1/2
+    assert host(p) == ["model.embed_tokens.weight"]
+    assert p.tensors[0].role == "embedding"
+
+    p = plan(inv, offload_gb=gb(257))   # then the first expert tensor
+    assert host(p) == ["model.embed_tokens.weight", "model.layers.0.mlp.experts.gate_up_proj"]
+
+
+def test_tied_embedding_is_the_lm_head_and_waits_for_the_experts():
+    inv = full_model(tied=True)
+    roles = {t.name: t.role for t in plan(inv).tensors}
+    assert roles["model.embed_tokens.weight"] == "lm_head"
+    assert "lm_head.weight" not in roles
+
+    p = plan(inv, offload_gb=gb(256))
+    assert host(p) == ["model.layers.0.mlp.experts.gate_up_proj"]   # 512 B, the embedding stays
+    p = plan(inv, offload_gb=gb(768 + 1))   # experts, then dense in declaration order: the tied table first
+    assert host(p) == ["model.embed_tokens.weight", *expert_names([0])]
+
+
+# ---------------------------------------------------------------------------------------
+# Spill-over and the legacy order
+
+
+def test_budget_above_the_experts_spills_dense_in_declaration_order_and_says_so():
+    inv = make_inv(layer(0) + layer(1))   # experts 1536 B; dense per layer: 16, 128, 128, 16, 64
+    p = plan(inv, offload_gb=gb(1536 + 100))
+    # dense in declaration order: layer 0 input_layernorm 16 B, q_proj 128 B -> 144 >= 100
+    assert host(p) == ["model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_proj.weight",
+                       *expert_names([0, 1])]
+    assert p.offloaded_bytes == 1536 + 144
+    assert ("dense tensors offloaded: the 1.60 KiB budget exceeds the 1.50 KiB of routed experts and lookup "
+            "tables (1.50 KiB routed experts in all), so 2 dense tensors (144 B) were offloaded in declaration "
+            "order; every token reads them in full") in p.notes   # 1636 B = 1.60 KiB, 1536 B = 1.50 KiB
+
+
+@pytest.mark.parametrize("budget", [1, 512, 1000, 1535, 1536])
+def test_no_dense_note_when_the_budget_is_within_the_experts(budget):
+    p = plan(make_inv(layer(0) + layer(1)), offload_gb=gb(budget))
+    assert all(t.role == "routed_expert" for t in p.tensors if t.tier == "host")
+    assert not any("dense" in n for n in p.notes)
+
+
+def test_declaration_policy_offloads_in_declaration_order():
+    inv = make_inv(layer(0))
+    p = plan(inv, offload_gb=gb(200), policy="declaration")
+    # input_layernorm 16 + q_proj 128 + o_proj 128 = 272 >= 200
+    assert host(p) == ["model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_proj.weight",
+                       "model.layers.0.self_attn.o_proj.weight"]
+    assert p.policy == "declaration"
+    assert ("3 dense tensors (272 B) offloaded by declaration order; every decoded token reads them in full over "
+            "the link (sparse-first would offload routed experts first)") in p.notes
+    assert "offloaded 72 bytes more than the budget: tensors move whole, and the last one " \
+           "(model.layers.0.self_attn.o_proj.weight, 128 bytes) crossed the target" in p.notes
+
+
+# ---------------------------------------------------------------------------------------
+# Explicit selectors
+
+
+@pytest.mark.parametrize("selector, expected", [
+    ("experts", True),
+    ("expert", False),
+    ("experts.down_proj", True),
+    ("mlp.experts", True),
+    ("layers.3", True),
+    ("layers.3.experts", False),   # segments must be contiguous
+    ("down", False),
+    ("model.layers.3.mlp.experts.down_proj", True),
+])
+def test_selectors_match_whole_segment_sequences(selector, expected):
+    assert matches_selector("model.layers.3.mlp.experts.down_proj", selector) is expected
+
+
+def test_multi_segment_selector_picks_only_down_proj():
+    inv = make_inv(layer(0) + layer(1))
+    p = plan(inv, offload_gb=gb(512), offload_params=["experts.down_proj"])   # 2 x 256 B
+    assert host(p) == ["model.layers.0.mlp.experts.down_proj", "model.layers.1.mlp.experts.down_proj"]
+    assert p.policy == "explicit" and p.offload_params == ("experts.down_proj",)
+    reasons = {t.name: t.reason for t in p.tensors}
+    assert reasons["model.layers.0.mlp.experts.gate_up_proj"] == "resident: not selected by --offload-params"
+
+
+def test_selected_tensors_go_in_declaration_order_and_the_budget_still_applies():
+    inv = make_inv(layer(0) + layer(1))
+    # Attention is declared before the experts: explicit selection does not reorder by density.
+    p = plan(inv, offload_gb=gb(256), offload_params=["self_attn", "experts"])
+    assert host(p) == ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight"]
+    p = plan(inv, offload_gb=gb(600), offload_params=["experts"])   # 512 + 256 >= 600; layer 1 stays
+    assert host(p) == expert_names([0])
+    p = plan(inv, offload_params=["experts"])   # no budget: selection alone offloads nothing
+    assert host(p) == []
+
+
+def test_selector_matching_nothing_names_similar_segments():
+    inv = make_inv(layer(0))
+    with pytest.raises(SelectorError) as err:
+        plan(inv, offload_gb=gb(100), offload_params=["experts", "expert"])
+    msg = str(err.value)
+    assert "'expert'" in msg and "matches no tensor" in msg and "similar segments: experts" in msg
+
+
+def test_budget_above_the_selected_bytes_is_an_error():
+    inv = make_inv(layer(0) + layer(1))
+    plan(inv, offload_gb=gb(512), offload_params=["experts.down_proj"])   # exactly the selection: fine
+    with pytest.raises(BudgetError, match=r"more than the tensors --offload-params selects \(512 B, 512 bytes\)"):
+        plan(inv, offload_gb=gb(513), offload_params=["experts.down_proj"])
+
+
+# ---------------------------------------------------------------------------------------
+# Dense models
+
+
+def dense_layer(i: int) -> list[tuple]:
+    p = f"model.layers.{i}"
+    return [
+        (f"{p}.input_layernorm.weight", (8,)),        # 16 B
+        (f"{p}.self_attn.q_proj.weight", (8, 8)),     # 128 B
+        (f"{p}.mlp.gate_proj.weight", (16, 8)),       # 256 B
+        (f"{p}.mlp.down_proj.weight", (8, 16)),       # 256 B
+    ]                                                 # 656 B per layer
+
+
+@pytest.mark.parametrize("budget", [0, 1, 256, 257, 400, 700, 1000, 256 + 2 * 656 + 16 + 256])
+def test_dense_model_sparse_first_equals_declaration_order(budget):
+    inv = make_inv([EMBED, *dense_layer(0), *dense_layer(1), FINAL_NORM, LM_HEAD], experts=None, top_k=None,
+                   model_type="qwen3")   # 256 + 1312 + 16 + 256 = 1840 B
+    sparse = plan(inv, offload_gb=gb(budget))
+    legacy = plan(inv, offload_gb=gb(budget), policy="declaration")
+    assert sparse.tiers == legacy.tiers
+    assert sparse.offloaded_bytes == legacy.offloaded_bytes >= budget
+    assert sparse.roles()["routed_expert"]["bytes"] == 0
+
+
+def test_dense_model_exact_tiers():
+    inv = make_inv([EMBED, *dense_layer(0), FINAL_NORM, LM_HEAD], experts=None, top_k=None, model_type="qwen3")
+    p = plan(inv, offload_gb=gb(256 + 16 + 1))   # embedding 256, input_layernorm 16, q_proj 128
+    assert host(p) == ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
+                       "model.layers.0.self_attn.q_proj.weight"]
+
+
+# ---------------------------------------------------------------------------------------
+# Device memory
+
+
+def test_device_memory_that_fits_offloads_nothing_and_says_so():
+    p = plan(full_model(), device_memory_gb=3)   # 1648 B + 2 GiB default reserve <= 3 GiB
+    assert host(p) == [] and p.budget_bytes == 0
+    assert "the model fits: 1.61 KiB of weights + 2 GiB reserve <= 3 GiB of device memory; nothing offloaded" \
+        in p.notes   # 1648 B = 1.609 KiB
+    p = plan(full_model(), device_memory_gb=gb(1648 + 1024), reserve_gb=gb(1024))   # fits to the byte
+    assert host(p) == [] and p.budget_bytes == 0
+
+
+def test_device_memory_offloads_the_least_that_fits():
+    reserve = 1024
+    # room for 1348 B of weights: 1648 - 1348 = 300 B must go
+    p = plan(full_model(), device_memory_gb=gb(1348 + reserve), reserve_gb=gb(reserve))
+    assert p.budget_bytes == 300
+    # embedding 256 < 300, then gate_up_proj 512: resident 1648 - 768 = 880 <= 1348
+    assert host(p) == ["model.embed_tokens.weight", "model.layers.0.mlp.experts.gate_up_proj"]
+    assert p.resident_bytes == 880 <= 1348
+
+    p = plan(full_model(), device_memory_gb=gb(1392 + reserve), reserve_gb=gb(reserve))   # 256 B must go
+    assert host(p) == ["model.embed_tokens.weight"] and p.resident_bytes == 1392
+
+    p = plan(full_model(), device_memory_gb=gb(1391 + reserve), reserve_gb=gb(reserve))   # one byte less room
+    assert host(p) == ["model.embed_tokens.weight", "model.layers.0.mlp.experts.gate_up_proj"]
+
+
+def test_device_memory_that_cannot_fit_even_with_everything_eligible_offloaded():
+    # Only the down_proj (256 B) may go: 1648 - 256 = 1392 B stay, more than 1000 B of room.
+    with pytest.raises(BudgetError, match="cannot fit"):
+        plan(full_model(), device_memory_gb=gb(1000 + 1024), reserve_gb=gb(1024),
+             offload_params=["experts.down_proj"])
+    p = plan(full_model(), device_memory_gb=gb(1392 + 1024), reserve_gb=gb(1024),
+             offload_params=["experts.down_proj"])
+    assert host(p) == ["model.layers.0.mlp.experts.down_proj"]
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(device_memory_gb=1, reserve_gb=2),          # reserve larger than the device
+    dict(device_memory_gb=1),                        # the 2 GiB default reserve, likewise
+    dict(offload_gb=-1),
+    dict(offload_gb=-gb(1)),
+    dict(device_memory_gb=-1),
+    dict(device_memory_gb=4, reserve_gb=-1),
+    dict(offload_gb=float("nan")),
+    dict(offload_gb=float("inf")),
+    dict(offload_gb=gb(1), device_memory_gb=4),      # two budgets
+    dict(reserve_gb=1),                              # reserve without device memory
+    dict(offload_gb=gb(1649)),                       # more than the whole model (1648 B)
+    dict(offload_gb=gb(1), batch=0),
+])
+def test_bad_budgets_are_budget_errors(kwargs):
+    with pytest.raises(BudgetError):
+        plan(full_model(), **kwargs)
+
+
+def test_unknown_policies_are_user_errors():
+    with pytest.raises(SelectorError, match="unknown policy 'fastest'"):
+        plan(full_model(), offload_gb=gb(1), policy="fastest")
+    with pytest.raises(SelectorError, match="set by offload_params"):
+        plan(full_model(), offload_gb=gb(1), policy="explicit")
+
+
+def test_zero_budget_offloads_nothing_and_no_budget_says_so():
+    p = plan(full_model(), offload_gb=0)
+    assert host(p) == [] and p.budget_bytes == 0 and p.notes == ()
+    p = plan(full_model())
+    assert host(p) == []
+    assert p.notes == ("no budget given (--offload-gb or --device-memory): everything stays on the device",)
+
+
+def test_whole_model_budget_offloads_everything():
+    p = plan(full_model(), offload_gb=gb(1648))
+    assert p.resident_bytes == 0 and p.offloaded_bytes == 1648
+
+
+# ---------------------------------------------------------------------------------------
+# Overshoot bound
+
+
+# The order each policy offloads in, for full_model(2), written out by hand.
+_DENSE_2 = ["model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.self_attn.o_proj.weight", "model.layers.0.post_attention_layernorm.weight",
+            "model.layers.0.mlp.gate.weight",
+            "model.layers.1.input_layernorm.weight", "model.layers.1.self_attn.q_proj.weight",
+            "model.layers.1.self_attn.o_proj.weight", "model.layers.1.post_attention_layernorm.weight",
+            "model.layers.1.mlp.gate.weight", "model.norm.weight", "lm_head.weight"]
+ORDER = {
+    "sparse-first": ["model.embed_tokens.weight", *expert_names([0, 1]), *_DENSE_2],
+    "declaration": [r.name for r in full_model(2).records],
+}
+
+
+@pytest.mark.parametrize("policy", ["sparse-first", "declaration"])
+def test_overshoot_is_less_than_the_last_tensor_offloaded(policy):
+    inv = full_model(2)   # 256 + 2 x 1120 + 16 + 256 = 2768 B
+    size = {r.name: r.bytes for r in inv.records}
+    assert sum(size.values()) == 2768 and sorted(ORDER[policy]) == sorted(size)
+    rng = random.Random(1234)
+    for budget in [0, 1, 2767, 2768] + [rng.randrange(0, 2769) for _ in range(200)]:
+        p = plan(inv, offload_gb=gb(budget), policy=policy)
+        expected, done = [], 0   # the shortest prefix of the order that reaches the budget
+        for name in ORDER[policy]:
+            if done >= budget:
+                break
+            expected.append(name)
+            done += size[name]
+        assert sorted(host(p)) == sorted(expected)
+        over = p.offloaded_bytes - budget
+        assert p.budget_bytes == budget and over >= 0
+        overshoot_notes = [n for n in p.notes if "more than the budget" in n]
+        if over:
+            assert over < size[expected[-1]]
+            assert overshoot_notes == [f"offloaded {over} bytes more than the budget: tensors move whole, and the "
+                                       f"last one ({expected[-1]}, {size[expected[-1]]} bytes) crossed the target"]
+        else:
+            assert overshoot_notes == []
+
+
+# ---------------------------------------------------------------------------------------
+# Link bytes and parameter counts
+
+
+def test_link_bytes_per_token_by_hand():
+    inv = full_model()   # embed 256 B (16 rows), experts 768 B (E=4, k=2), dense 1648 - 1024 = 624 B
+    everything = plan(inv, offload_gb=gb(1648))
+    # b=1: 256 x 1/16 + 768 x 1/2 + 624 = 16 + 384 + 624 = 1024
+    assert everything.link_bytes_per_token() == pytest.approx(1024)
+    # b=4: (256 x 4/16 + 768 x 15/16 + 624) / 4 = (64 + 720 + 624) / 4 = 352
+    assert everything.link_bytes_per_token(4) == pytest.approx(352)
+    # b=32 > 16 rows: the embedding is read whole once: (256 + 768 x (1 - 2^-32) + 624) / 32 ~= 51.5
+    assert everything.link_bytes_per_token(32) == pytest.approx((256 + 768 * (1 - 0.5 ** 32) + 624) / 32)
+
+    at4 = plan(inv, offload_gb=gb(1648), batch=4)
+    assert at4.link_bytes_per_token() == pytest.approx(352)
+    assert at4.to_dict()["link_bytes_per_token"] == pytest.approx(352)
+
+    experts_only = plan(inv, offload_gb=gb(1024), batch=4)   # embedding + experts
+    assert host(experts_only) == ["model.embed_tokens.weight", *expert_names([0])]
+    assert experts_only.link_bytes_per_token() == pytest.approx((64 + 720) / 4)   # 196
+    assert experts_only.link_bytes_per_token(1) == pytest.approx(16 + 384)        # 400
+
+    assert plan(inv, offload_gb=0).link_bytes_per_token() == 0
+
+
+def test_density_of_planned_tensors():
+    t = {x.name: x for x in plan(full_model(), offload_gb=0).tensors}
+    assert t["model.layers.0.mlp.experts.down_proj"].density(1) == 0.5
+    assert t["model.layers.0.mlp.experts.down_proj"].density(4) == 15 / 16
+    assert t["model.embed_tokens.weight"].density(1) == 1 / 16
+    assert t["model.embed_tokens.weight"].density(4) == 4 / 16
+    assert t["model.layers.0.mlp.gate.weight"].density(4) == 1.0
+    assert t["lm_head.weight"].density(1) == 1.0
+
+
+def with_buffer() -> Inventory:
+    # + a persistent router buffer: (4,) float32, 16 B, 4 elements that are not parameters.
+    specs = [EMBED, *layer(0), ("model.layers.0.mlp.gate.e_score_correction_bias", (4,), "float32",
+                                "DeepseekV3TopkRouter", True), FINAL_NORM, LM_HEAD]
+    return make_inv(specs)
+
+
+def test_active_and_total_params_by_hand():
+    p = plan(with_buffer())
+    # params: embed 128, layer 8 + 64 + 64 + 8 + 32 + 256 + 128 = 560, norm 8, lm_head 128; the buffer is none
+    assert p.total_params == 128 + 560 + 8 + 128 == 824
+    # active: no embedding; experts (384) at k/E = 1/2; LM head in full: 824 - 128 - 192 = 504
+    assert p.active_params == 504
+    assert p.total_bytes == 1648 + 16
+
+    tied = plan(full_model(tied=True))
+    # the tied table is the LM head, read in full: 128 + 560 + 8 = 696 params, 696 - 192 = 504 active
+    assert tied.total_params == 696 and tied.active_params == 504
+
+
+# ---------------------------------------------------------------------------------------
+# The plan as data
+
+
+def test_plan_json_round_trip_and_views():
+    p = plan(with_buffer(), offload_gb=gb(300))
+    back = Plan.from_json(p.to_json())
+    assert back == p
+    assert Plan.from_json(p.to_json(indent=1)) == p
+    assert p.tiers == {t.name: t.tier for t in p.tensors}
+    assert p.tiers["model.layers.0.mlp.experts.gate_up_proj"] == Tier.HOST.value == "host"
+    assert p.tiers["lm_head.weight"] == "device"
+    assert set(p.tiers.values()) <= {"device", "host", "disk"}
+
+    data = json.loads(p.to_json())
+    for key in ("total_params", "active_params", "total_bytes", "offloaded_bytes", "resident_bytes",
+                "budget_bytes", "link_bytes_per_token", "roles", "tensors", "notes"):
+        assert key in data
+    assert [t["name"] for t in data["tensors"]] == [r.name for r in with_buffer().records]
+
+
+def test_roles_partition_the_model():
+    p = plan(with_buffer(), offload_gb=gb(300))
+    roles = p.roles()
+    assert set(roles) == {r.value for r in Role}
+    assert all(t.role in roles for t in p.tensors)   # exactly one role per tensor, a known one
+    assert sum(r["bytes"] for r in roles.values()) == p.total_bytes == 1664
+    assert sum(r["params"] for r in roles.values()) == p.total_params == 824
+    assert sum(r["offloaded_bytes"] for r in roles.values()) == p.offloaded_bytes == 768
+    assert roles["routed_expert"] == {"params": 384, "bytes": 768, "offloaded_bytes": 512}
+    assert roles["embedding"] == {"params": 128, "bytes": 256, "offloaded_bytes": 256}
+    assert roles["lm_head"] == {"params": 128, "bytes": 256, "offloaded_bytes": 0}
+    # router: gate.weight 32 params / 64 B + the buffer 0 params / 16 B
+    assert roles["router"] == {"params": 32, "bytes": 80, "offloaded_bytes": 0}
+    assert roles["shared_expert"] == {"params": 0, "bytes": 0, "offloaded_bytes": 0}
+    assert roles["norm"] == {"params": 24, "bytes": 48, "offloaded_bytes": 0}
+    assert roles["attention"] == {"params": 128, "bytes": 256, "offloaded_bytes": 0}
+
+
+def _tamper(text: str, fn) -> str:
+    data = json.loads(text)
+    fn(data)
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize("bad", [
+    "",
+    "{not json",
+    "[]",
+    "null",
+    '{"tensors": []}',
+    "TAMPER:no_tensors",
+    "TAMPER:missing_field",
+    "TAMPER:extra_field",
+    "TAMPER:bad_tier",
+    "TAMPER:shape_not_list",
+])
+def test_malformed_plan_json_is_a_user_error(bad):
+    good = plan(full_model(), offload_gb=gb(300)).to_json()
+    tampering = {
+        "no_tensors": lambda d: d.pop("tensors"),
+        "missing_field": lambda d: d["tensors"][0].pop("tier"),
+        "extra_field": lambda d: d["tensors"][0].update(colour="red"),
+        "bad_tier": lambda d: d["tensors"][0].update(tier="gpu"),
+        "shape_not_list": lambda d: d["tensors"][0].update(shape=7),
+    }
+    if bad.startswith("TAMPER:"):
+        bad = _tamper(good, tampering[bad.removeprefix("TAMPER:")])
+    with pytest.raises(MoeOffloadError, match="not a moe-offload plan"):
+        Plan.from_json(bad)
