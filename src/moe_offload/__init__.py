@@ -12,6 +12,7 @@ from typing import Sequence
 from .errors import (AuditError, BudgetError, CheckpointError, ConfigError, DeviceError, MoeOffloadError,
                      SelectorError)
 from .inventory import Inventory, TensorRecord, inventory
+from .offloader import Offloader
 from .planner import Plan, PlannedTensor, Policy, Tier
 from .roles import Role
 
@@ -32,9 +33,23 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: "Plan | st
     return _load(model_dir, device=device, backend=backend, plan=plan, dtype=dtype, progress=progress, **budget)
 
 
+def transform_weights(model, fn, *, names=None):
+    """Apply fn(name, tensor) -> tensor to weights of a loaded model, keeping every tensor in its tier."""
+    from .transforms import transform_weights as _transform
+
+    return _transform(model, fn, names=names)
+
+
+def update_weights(model, weights):
+    """Write new values (e.g. an RL weight update) into a loaded model's weights in place, keeping tiers."""
+    from .transforms import update_weights as _update
+
+    return _update(model, weights)
+
+
 def audit(model, plan: Plan):
     """Every tensor whose actual tier differs from the plan: [(name, planned, actual, bytes)]; empty when in place."""
-    from .audit import audit as _audit
+    from .auditor import audit as _audit
 
     return _audit(model, plan)
 
@@ -55,6 +70,6 @@ def plan(source, *, offload_gb: float | None = None, device_memory_gb: float | N
 
 
 __all__ = [
-    "plan", "load", "audit", "Plan", "PlannedTensor", "Policy", "Tier", "Role", "Inventory", "TensorRecord", "inventory",
+    "plan", "load", "audit", "Offloader", "transform_weights", "update_weights", "Plan", "PlannedTensor", "Policy", "Tier", "Role", "Inventory", "TensorRecord", "inventory",
     "MoeOffloadError", "ConfigError", "CheckpointError", "BudgetError", "SelectorError", "DeviceError", "AuditError",
 ]

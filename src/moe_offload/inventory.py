@@ -290,7 +290,9 @@ def from_config(source, *, dtype: str | None = None) -> Inventory:
     config = read_config(source)
     storage = _storage_dtype(config, dtype)
     model = build_meta_model(config, storage)
-    records = records_from_module(model, config=config, storage_dtype=storage)
+    # Built in the storage dtype already; not forcing it keeps what transformers holds in float32 whatever the
+    # dtype (`_keep_in_fp32_modules_strict`: DeepSeek-V3/GLM-4.5 routers and `e_score_correction_bias`).
+    records = records_from_module(model, config=config)
     experts, top_k = routing_of(config)
     note = getattr(config, "_moe_offload_note", None)
     return Inventory(tuple(records), config.model_type, experts, top_k, _tied_pairs(model), "config",
@@ -336,10 +338,10 @@ def read_headers(files) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
     return out
 
 
-def _slot_shape(slot, shape: tuple[int, ...]) -> tuple[int, ...]:
+def _slot_shape(slot, shape: tuple[int, ...], expected: tuple[int, ...]) -> tuple[int, ...]:
     """A checkpoint tensor's shape once its slot's transpose is applied."""
     shape = list(shape)
-    if slot.transpose is not None:
+    if slot.transpose is not None and not (slot.transpose_if_needed and tuple(shape) == expected):
         i, j = slot.transpose
         shape[i], shape[j] = shape[j], shape[i]
     return tuple(shape)
@@ -397,8 +399,9 @@ def from_checkpoint(folder, *, dtype: str | None = None) -> Inventory:
             dtypes[target] = name
         if owner[key] == key or key.endswith("_blocks"):
             covered.setdefault(target, set()).add((slot.expert, slot.part, slot.parts))
-        if owner[key] == key and _slot_shape(slot, shape) != _expected_slot_shape(slot, by_name[target].shape):
-            misshapen.append(f"{key} {list(shape)} (needs {list(_expected_slot_shape(slot, by_name[target].shape))})")
+        expected = _expected_slot_shape(slot, by_name[target].shape)
+        if owner[key] == key and _slot_shape(slot, shape, expected) != expected:
+            misshapen.append(f"{key} {list(shape)} (needs {list(expected)})")
     if unexpected:
         raise CheckpointError(
             f"{folder}: {len(unexpected)} checkpoint tensor(s) match no tensor of {type(model).__name__} "

@@ -27,7 +27,9 @@ class Slot:
 
     target[expert] (or target itself when `expert` is None), cut into `parts` equal chunks
     along `part_dim` (a dim of that slice), receives chunk `part`. `transpose` names two dims
-    of the checkpoint tensor to swap first.
+    of the checkpoint tensor to swap first; with `transpose_if_needed` only when the tensor's
+    shape does not already fit its place (transformers' `Transpose(check_dims=True)`: Qwen3-VL-MoE
+    releases store experts transposed, while save_pretrained writes the in-memory layout).
     """
 
     key: str
@@ -37,6 +39,7 @@ class Slot:
     parts: int = 1
     part_dim: int = 0
     transpose: tuple[int, int] | None = None
+    transpose_if_needed: bool = False
 
     @property
     def is_whole(self) -> bool:
@@ -65,6 +68,7 @@ def _slot_from_converter(key: str, renamed: str, target: str, pattern: str, conv
     expert = None
     part, parts, part_dim = 0, 1, 0
     transpose = None
+    if_needed = False
     merged = False
     for op in converter.operations:
         if isinstance(op, MergeModulelist) and op.dim == 0:
@@ -79,12 +83,13 @@ def _slot_from_converter(key: str, renamed: str, target: str, pattern: str, conv
             part_dim = op.dim - 1 if merged else op.dim
         elif isinstance(op, Transpose):
             transpose = (op.dim0, op.dim1)
+            if_needed = bool(getattr(op, "check_dims", False))
         else:
             raise CheckpointError(
                 f"checkpoint key {key!r} needs the conversion {type(op).__name__}, which moe-offload cannot "
                 "apply in place; load this model with transformers directly, or convert the checkpoint first"
             )
-    return Slot(key, target, expert, part, parts, part_dim, transpose)
+    return Slot(key, target, expert, part, parts, part_dim, transpose, if_needed)
 
 
 def map_keys(model: nn.Module, keys, *, known: set[str] | None = None) -> dict[str, Slot]:

@@ -72,7 +72,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     `budget`: offload_gb, device_memory_gb, reserve_gb, policy, offload_params, batch (as `moe_offload.plan`).
     `plan`: a Plan (or its JSON file) to apply instead of planning here.
     """
-    from .audit import audit
+    from .auditor import audit
     from .errors import AuditError
     from .runtime import BACKENDS, Runtime
 
@@ -115,7 +115,9 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
                 model.get_parameter(target)
         _move_buffers(model, dev, set(targets))
         host_names = {t.name: t.tier for t in plan.tensors if t.tier != Tier.DEVICE}
-        runtime = Runtime(model, device=dev, backend=backend, arena=arena, host_names=host_names)
+        host_tensors = {name: targets[name][0] for name in host_names if name in targets}
+        runtime = Runtime(model, device=dev, backend=backend, arena=arena, host_names=host_names,
+                          host_tensors=host_tensors, plan=plan)
         runtime.attach()
         model.moe_offload_runtime = runtime
         mismatches = audit(model, plan)
@@ -187,7 +189,9 @@ def _stream_checkpoint(folder: Path, model: nn.Module, targets, by_name, progres
                     src = f.get_tensor(key)  # memory-mapped: pages are read as they are copied
                     host, _ = targets[slot.target]
                     dst = _destination(host, slot, key)
-                    if slot.transpose:
+                    # transformers' Transpose(check_dims=True): transpose only when the tensor does not already fit.
+                    if slot.transpose and not (getattr(slot, "transpose_if_needed", False)
+                                               and tuple(src.shape) == tuple(dst.shape)):
                         src = src.transpose(*slot.transpose)
                     if tuple(src.shape) != tuple(dst.shape):
                         raise CheckpointError(

@@ -119,7 +119,8 @@ class _ExpertsState:
 class Runtime:
     """Holds one loaded model's backend state: host arena, staging buffers, counters and hook handles."""
 
-    def __init__(self, model: nn.Module, *, device: torch.device, backend: str, arena, host_names: dict[str, str]):
+    def __init__(self, model: nn.Module, *, device: torch.device, backend: str, arena, host_names: dict[str, str],
+                 host_tensors: dict[str, torch.Tensor] | None = None, plan=None):
         from .errors import DeviceError
 
         if backend not in BACKENDS:
@@ -129,6 +130,9 @@ class Runtime:
         self.backend = backend
         self.arena = arena
         self.host_names = dict(host_names)  # in-memory name -> tier ("host"/"disk"), tracked by name
+        # name -> the host-memory tensor behind an offloaded weight (the model may hold a uva view of it)
+        self.host_tensors = dict(host_tensors or {})
+        self.plan = plan                     # the plan applied, for audits after transforms
         self.counter = LinkCounter()
         self._handles: list = []
         self._staging: dict[tuple, torch.Tensor] = {}
