@@ -22,6 +22,8 @@ Qwen3-MoE, hidden 32, 2 layers, 4 experts, top-k 2, vocab 128, float32 (4 bytes 
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import os
 import subprocess
@@ -145,6 +147,21 @@ def test_human_output_when_the_model_fits(model_dir, capsys):
     assert rc == 0
     assert ("note: the model fits: 105.75 KiB of weights + 2 GiB reserve <= 3 GiB of device memory; "
             "nothing offloaded") in flat(out)
+
+
+def test_human_output_prints_notes_verbatim(model_dir):
+    # Notes and model types are text: brackets in them are not rich markup, to be swallowed or to crash.
+    from rich.console import Console
+
+    from moe_offload.report import print_plan
+
+    p = dataclasses.replace(mo.plan(model_dir), model_type="[custom]",
+                            notes=("experts are [e, 2i, h] fused tensors", "a stray [/] tag"))
+    console = Console(file=io.StringIO(), width=200)
+    print_plan(p, console)
+    text = console.file.getvalue()
+    assert "[custom]: sparse-first plan" in text
+    assert "note: experts are [e, 2i, h] fused tensors" in text and "note: a stray [/] tag" in text
 
 
 def test_save_writes_a_plan_that_round_trips(model_dir, tmp_path, capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .planner import Plan, format_bytes
@@ -10,7 +11,7 @@ from .roles import Role
 
 
 def plan_table(plan: Plan) -> Table:
-    table = Table(title=f"{plan.model_type}: {plan.policy} plan", title_justify="left")
+    table = Table(title=escape(f"{plan.model_type}: {plan.policy} plan"), title_justify="left")
     table.add_column("role")
     table.add_column("params", justify="right")
     table.add_column("bytes", justify="right")
@@ -42,4 +43,4 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
         f"[bold]{format_bytes(plan.link_bytes_per_token())}[/bold]"
         + ("" if routed else "   (dense model: no routed experts)"))
     for note in plan.notes:
-        console.print(f"[yellow]note:[/yellow] {note}")
+        console.print(f"[yellow]note:[/yellow] {escape(note)}")  # notes are text, not markup: `[e, h]` must show
