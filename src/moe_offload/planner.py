@@ -242,6 +242,8 @@ def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: f
                     f"--offload-params {sel!r} matches no tensor of this {inv.model_type} model (selectors match "
                     f"whole dot-separated segments){hint}")
         eligible = [i for i, r in enumerate(records) if any(matches_selector(r.name, s) for s in selectors)]
+        notes.append(f"--offload-params {' '.join(selectors)}: only the {len(eligible)} selected tensors are "
+                     f"eligible, offloaded in declaration order (policy {policy_.value} does not apply)")
         policy_ = Policy.EXPLICIT
     else:
         eligible = list(range(len(records)))
