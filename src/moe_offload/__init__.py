@@ -11,7 +11,7 @@ from typing import Sequence
 
 from .errors import (AuditError, BudgetError, CheckpointError, ConfigError, DeviceError, MoeOffloadError,
                      SelectorError)
-from .inventory import Inventory, TensorRecord, inventory
+from .inventory import Inventory, TensorRecord
 from .offloader import Offloader
 from .planner import Plan, PlannedTensor, Policy, Tier
 from .roles import Role
@@ -63,6 +63,7 @@ def plan(source, *, offload_gb: float | None = None, device_memory_gb: float | N
     config.json path, or an nn.Module (meta or real). No tensor data is read.
     """
     from . import planner
+    from .inventory import inventory
 
     inv = inventory(source, dtype=dtype)
     return planner.plan(inv, offload_gb=offload_gb, device_memory_gb=device_memory_gb, reserve_gb=reserve_gb,
@@ -70,6 +71,6 @@ def plan(source, *, offload_gb: float | None = None, device_memory_gb: float | N
 
 
 __all__ = [
-    "plan", "load", "audit", "Offloader", "transform_weights", "update_weights", "Plan", "PlannedTensor", "Policy", "Tier", "Role", "Inventory", "TensorRecord", "inventory",
+    "plan", "load", "audit", "Offloader", "transform_weights", "update_weights", "Plan", "PlannedTensor", "Policy", "Tier", "Role", "Inventory", "TensorRecord",
     "MoeOffloadError", "ConfigError", "CheckpointError", "BudgetError", "SelectorError", "DeviceError", "AuditError",
 ]

@@ -415,7 +415,7 @@ def from_checkpoint(folder, *, dtype: str | None = None) -> Inventory:
     for target, cov in covered.items():
         per_expert = any(expert is not None for expert, _, _ in cov)
         need = (by_name[target].shape[0] if per_expert else 1) * max(parts for _, _, parts in cov)
-        if False:
+        if len(cov) < need:
             missing.append(f"{target} ({len(cov)} of its {need} per-expert/part tensors)")
     if missing:
         raise CheckpointError(

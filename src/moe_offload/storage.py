@@ -171,7 +171,15 @@ class _CudaArray:
 
 
 def _device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    with torch.cuda.device(device):
-        view = torch.as_tensor(_CudaArray(host.data_ptr(), host.numel()), device=device)
-    assert view.data_ptr() == host.data_ptr(), "UVA view must alias the pinned slab, not copy it"
+    from .errors import DeviceError
+
+    try:
+        with torch.cuda.device(device):
+            view = torch.as_tensor(_CudaArray(host.data_ptr(), host.numel()), device=device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise DeviceError(f"this torch cannot make a zero-copy CUDA view of pinned host memory ({exc}); "
+                          "use --backend prefetch, which stages offloaded weights instead") from exc
+    if view.data_ptr() != host.data_ptr():
+        raise DeviceError("the CUDA view of pinned host memory is a copy, not an alias, on this torch: uva would "
+                          "de-offload every weight; use --backend prefetch")
     return view
