@@ -464,3 +464,22 @@ def test_checkpoint_tensor_of_the_wrong_shape(save_tiny):
     _rewrite(folder, lambda sd: {**sd, "model.layers.0.mlp.experts.1.up_proj.weight": torch.zeros(32, 16)})
     with pytest.raises(CheckpointError, match="wrong shape.*experts.1.up_proj.weight \\[32, 16\\].*\\[16, 32\\]"):
         inventory(folder)
+
+
+def test_fp8_fused_gate_up_with_small_intermediate(write_config):
+    # moe_intermediate 64: gate and up are [64, 256] each, one row block apiece: 2 row blocks per expert,
+    # where one grid over the fused 128 rows would count just 1.
+    cfg = _fp8_deepseek()
+    cfg["moe_intermediate_size"] = 64
+    by = inventory(write_config(cfg)).by_name()
+    # gate_up [4, 128, 256]: 131,072 + 4 x 2 x 1 x 2 x 4 B = 131,136
+    assert by["model.layers.1.mlp.experts.gate_up_proj"].bytes == 131_072 + 64
+
+
+def test_fp8_modules_to_not_convert_patterns(write_config):
+    cfg = _fp8_deepseek()
+    cfg["quantization_config"]["modules_to_not_convert"] = ["lm_head", "model.layers.*.self_attn"]
+    by = inventory(write_config(cfg)).by_name()
+    assert by["model.layers.0.self_attn.q_a_proj.weight"].dtype == "bfloat16"
+    assert by["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].dtype == "bfloat16"
+    assert by["model.layers.1.mlp.experts.down_proj"].dtype == "float8_e4m3fn"

@@ -12,6 +12,7 @@ No tensor data is read or allocated. Three sources:
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 from dataclasses import dataclass, field
@@ -207,7 +208,9 @@ def _quant_rule(config):
     skip = tuple(qc["modules_to_not_convert"]) if qc.get("modules_to_not_convert") is not None else ("lm_head",)
 
     def skipped(name):
-        return any(s and (name == s or name.startswith(s + ".") or f".{s}." in f".{name}.") for s in skip)
+        # Entries are module names or fragments (`lm_head`, `mlp.gate`) or patterns (`model.layers.*.self_attn`).
+        return any(s and (name == s or name.startswith(s + ".") or f".{s}." in f".{name}."
+                          or fnmatch.fnmatchcase(name, s + ".*")) for s in skip)
 
     if method == "fp8":
         bm, bn = qc.get("weight_block_size") or (128, 128)
@@ -217,7 +220,9 @@ def _quant_rule(config):
                 return None
             rows, cols = shape[-2], shape[-1]
             lead = math.prod(shape[:-2])
-            scales = lead * math.ceil(rows / bm) * math.ceil(cols / bn)
+            # A fused gate_up_proj [E, 2I, H] is two [I, H] checkpoint matrices, each with its own block grid.
+            halves = 2 if name.endswith("gate_up_proj") else 1
+            scales = lead * halves * math.ceil(rows // halves / bm) * math.ceil(cols / bn)
             return "float8_e4m3fn", math.prod(shape) + 4 * scales
         return fp8
     if method == "mxfp4":
