@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .errors import CheckpointError, MoeOffloadError
+from .errors import CheckpointError, ConfigError, DeviceError, MoeOffloadError, SelectorError
 from .inventory import (DTYPE_NAMES, build_meta_model, from_checkpoint, read_config, read_headers,
                         safetensors_files)
 from .layouts import map_keys
@@ -78,13 +78,13 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
 
     folder = Path(model_dir)
     if not folder.is_dir():
-        raise MoeOffloadError(f"{folder} is not a model folder: give a local folder with config.json and safetensors")
+        raise ConfigError(f"{folder} is not a model folder: give a local folder with config.json and safetensors")
     dev = resolve_device(device)
     backend = backend or "uva"
     if backend not in BACKENDS:
-        raise MoeOffloadError(f"unknown backend {backend!r}: use uva or prefetch")
+        raise DeviceError(f"unknown backend {backend!r}: use uva or prefetch")
     if dtype is not None and dtype not in DTYPE_NAMES:
-        raise MoeOffloadError(f"unknown dtype {dtype!r}: use bf16, fp16 or fp32")
+        raise ConfigError(f"unknown dtype {dtype!r}: use bf16, fp16 or fp32")
 
     config = read_config(folder)
     if getattr(config, "quantization_config", None) is not None:
@@ -96,7 +96,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     if plan is None:
         plan = make_plan(inv, **budget)
     elif budget:
-        raise MoeOffloadError("give either a plan or budget options, not both")
+        raise SelectorError("give either a plan or budget options, not both")
     _check_plan_matches(plan, inv, folder)
 
     storage_dtype = getattr(torch, DTYPE_NAMES[dtype]) if dtype else None

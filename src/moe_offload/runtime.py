@@ -179,10 +179,13 @@ class Runtime:
         from .roles import Role  # noqa: F401  (roles are carried by the plan; imported for clarity)
 
         _register_experts_function()
-        params = dict(self.model.named_parameters(remove_duplicate=False))
+        # Buffers too (DeepSeek's e_score_correction_bias), and every name of a tied tensor: a tied LM head
+        # reads the offloaded embedding table in full, through its own module.
+        tensors = {**dict(self.model.named_parameters(remove_duplicate=False)), **dict(self.model.named_buffers())}
+        host_ids = {id(tensors[n]) for n in self.host_names if n in tensors}
         by_module: dict[str, list[str]] = {}
-        for name in self.host_names:
-            if name not in params:
+        for name, tensor in tensors.items():
+            if id(tensor) not in host_ids:
                 continue
             mod_name, _, local = name.rpartition(".")
             by_module.setdefault(mod_name, []).append(local)
@@ -257,7 +260,7 @@ class Runtime:
             return
         if not hasattr(self, "_dense"):
             self._dense = _DensePrefetcher(self)
-        self._dense.add(mod, locals_, nbytes)
+        self._dense.add(mod, locals_, nbytes, mod_name)
 
 
 class _DensePrefetcher:
@@ -280,9 +283,12 @@ class _DensePrefetcher:
         self.modules: dict[int, tuple[nn.Module, list[str], int]] = {}
         self.last: int | None = None
         self.slot = 0
+        self.names: dict[int, str] = {}
+        self.outer: set[int] | None = None      # modules that contain other staged modules (see pre)
 
-    def add(self, mod: nn.Module, locals_: list[str], nbytes: int) -> None:
+    def add(self, mod: nn.Module, locals_: list[str], nbytes: int, name: str = "") -> None:
         self.modules[id(mod)] = (mod, locals_, nbytes)
+        self.names[id(mod)] = name
         self.rt._handles.append(mod.register_forward_pre_hook(self.pre))
         self.rt._handles.append(mod.register_forward_hook(self.post))
 
@@ -306,7 +312,20 @@ class _DensePrefetcher:
         _, locals_, nbytes = self.modules[id(mod)]
         self.rt.counter.add(nbytes)                           # read in full, every call
         if not hasattr(mod, "_moe_offload_host"):
-            mod._moe_offload_host = {n: mod._parameters[n] for n in locals_}
+            mod._moe_offload_host = {n: getattr(mod, n) for n in locals_}
+        if self.outer is None:
+            self.outer = {i for i, name in self.names.items()
+                          if any(o != i and other.startswith(f"{name}." if name else "")
+                                 for o, other in self.names.items())}
+        if id(mod) in self.outer:
+            # Its tensors (gpt-oss attention `sinks`) stay in use while the staged modules inside it run
+            # through the ring, so they get buffers of their own instead of a ring slot.
+            for n in locals_:
+                h = mod._moe_offload_host[n]
+                v = self.rt._buffer(("module", id(mod), n), tuple(h.shape), h.dtype)
+                v.copy_(h, non_blocking=True)
+                _put(mod, n, v)
+            return None
         if self.last is not None and id(mod) not in self.order.get(self.last, ()):
             self.order[self.last] = (id(mod),)
         self.last = id(mod)
@@ -319,7 +338,7 @@ class _DensePrefetcher:
         else:
             views = self._copy_into(self.slot, mod, locals_)
         for n, v in zip(locals_, views):
-            mod._parameters[n] = nn.Parameter(v, requires_grad=False)
+            _put(mod, n, v)
         self._prefetch_next(mod)
         return None
 
@@ -342,9 +361,20 @@ class _DensePrefetcher:
     def post(self, mod, args, output):
         _, locals_, _ = self.modules[id(mod)]
         for n in locals_:
-            mod._parameters[n] = mod._moe_offload_host[n]
+            _put(mod, n, mod._moe_offload_host[n])
+        if id(mod) in (self.outer or ()):
+            return
         if self.rt._stream is not None:
             self.free[self.slot] = torch.cuda.Event()
             self.free[self.slot].record(torch.cuda.current_stream(self.rt.device))
         # The next module runs from the other slot (where its prefetch went, if any).
         self.slot = 1 - self.slot
+
+
+def _put(mod: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Swap a parameter or buffer of `mod` (the host tensor back, or its staged copy) without touching the rest."""
+    if name in mod._buffers:
+        mod._buffers[name] = tensor
+    else:
+        mod._parameters[name] = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor,
+                                                                                             requires_grad=False)

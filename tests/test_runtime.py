@@ -1,0 +1,286 @@
+"""The runtime: measured link bytes equal a hand count from the routing that happened; honest mechanism
+report on CPU; reused staging buffers; detach leaves no hook behind.
+
+Hand count of one forward call (DESIGN.md: a token pays the bytes of each offloaded tensor it reads):
+
+    sum over MoE layers of  distinct experts the router selected (over every token of the call)
+                            x bytes of one expert's slice of each offloaded routed-expert tensor of that layer
+  + bytes of every offloaded dense language tensor (read in full)
+  + distinct token ids of the call x bytes of one embedding row, when the input embedding is offloaded
+
+The routing is recorded by forward hooks on the routers themselves (transformers' `*TopKRouter`
+modules return `(logits, weights, top_k_index)`), independently of the runtime's experts function.
+Models: `fixtures_models` (6 experts, top-2, 2 layers, float32).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import pytest
+import torch
+
+import moe_offload as mo
+from fixtures_models import (ARMS, BACKENDS, EXPERTS, FAMILIES, SIZES, TIED_IDS, TIED_VOCAB, TOP_K, budgets,
+                             make_models, make_tied, one_thread, prompt_ids, reference_model, run, slice_bytes)
+from moe_offload.planner import GiB
+from moe_offload.tiny import make_tiny
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
+
+# MoE layers per tiny model: DeepSeek-V3's first layer is dense (first_k_dense_replace=1).
+MOE_LAYERS = {f: (1,) if f == "deepseek_v3" else (0, 1) for f in FAMILIES}
+
+
+def load(folder, **kw):
+    """moe_offload.load on the CPU (the default device is the accelerator when there is one)."""
+    return mo.load(folder, **{"device": "cpu", **kw})
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return make_models(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def plans0(models):
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = mo.plan(models[family])
+        return cache[family]
+
+    return get
+
+
+class Routing:
+    """Per forward call of the whole model: its input ids and, per router, the experts it selected."""
+
+    def __init__(self, model):
+        self.calls: list[dict] = []
+        self.handles = [model.register_forward_pre_hook(self._start, with_kwargs=True)]
+        self.routers = []
+        for name, mod in model.named_modules():
+            if type(mod).__name__.lower().endswith("topkrouter"):
+                layer = int(re.search(r"\.layers\.(\d+)\.", name).group(1))
+                self.routers.append(layer)
+                self.handles.append(mod.register_forward_hook(self._hook(layer)))
+
+    def _start(self, module, args, kwargs):
+        self.calls.append({"ids": kwargs["input_ids"].clone(), "routed": []})
+
+    def _hook(self, layer):
+        def hook(module, args, output):
+            top_k_index = output[-1]                    # [tokens, k] expert ids
+            assert not top_k_index.is_floating_point() and top_k_index.shape[-1] == TOP_K
+            self.calls[-1]["routed"].append((layer, top_k_index.clone()))
+        return hook
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def hand_count(plan, routing: Routing, *, tied_rows: bool = False) -> list[tuple[int, int]]:
+    """(tokens per sequence, bytes) per forward call, from the plan's byte sizes and the recorded routing."""
+    slice_per_layer: dict[int, int] = defaultdict(int)
+    dense = 0
+    row = 0
+    for t in plan.tensors:
+        if t.tier != "host" or t.component != "language":  # a vision tower does not run on text
+            continue
+        if t.role == "routed_expert":
+            slice_per_layer[t.layer] += slice_bytes(t)
+        elif t.role == "embedding":
+            row = t.bytes // t.shape[0]
+        else:
+            dense += t.bytes
+            if tied_rows:  # the tied table is also read by rows, as the input embedding
+                row = t.bytes // t.shape[0]
+    out = []
+    for call in routing.calls:
+        nbytes = dense + row * call["ids"].unique().numel()
+        for layer, index in call["routed"]:
+            nbytes += slice_per_layer[layer] * index.unique().numel()
+        out.append((call["ids"].shape[1], nbytes))
+    return out
+
+
+# --- measured bytes == hand count -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arm", ARMS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_link_bytes_equal_hand_count(models, plans0, family, arm, backend):
+    model, plan = load(models[family], backend=backend, **budgets(plans0(family))[arm])
+    routing = Routing(model)
+    assert sorted(routing.routers) == list(MOE_LAYERS[family])
+    ids = prompt_ids(models[family])
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+    calls = model.moe_offload_runtime.counter.calls
+    # generate: one prefill call of the 12 prompt tokens, then one call per further new token.
+    assert [n for n, _ in calls] == [12, 1, 1, 1, 1]
+    assert calls == hand_count(plan, routing)
+
+    # Decode steps by hand alone: one token picks exactly top_k distinct experts and reads one embedding row.
+    per_layer = defaultdict(int)
+    for t in plan.tensors:
+        if t.tier == "host" and t.role == "routed_expert":
+            per_layer[t.layer] += t.bytes // EXPERTS
+    dense = sum(t.bytes for t in plan.tensors
+                if t.tier == "host" and t.component == "language" and t.role not in ("routed_expert", "embedding"))
+    row = sum(t.bytes // t.shape[0] for t in plan.tensors if t.tier == "host" and t.role == "embedding")
+    decode = dense + row + TOP_K * sum(per_layer.values())
+    assert [b for _, b in calls[1:]] == [decode] * 4
+    assert model.moe_offload_runtime.counter.decode_bytes_per_token() == decode
+    # At batch 1 the plan's uniform-routing estimate (k/E of each expert tensor, 1/vocab of the embedding) is
+    # exact, except that it charges offloaded vision-tower tensors, which text decoding never reads.
+    vision = sum(t.bytes for t in plan.tensors if t.tier == "host" and t.component != "language")
+    assert plan.link_bytes_per_token() - vision == pytest.approx(decode, rel=1e-12)
+    if arm == "resident":
+        assert decode == 0 and calls[0][1] == 0
+    else:
+        assert decode > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_batch_of_two_counts_distinct_experts_across_the_batch(models, plans0, family, backend):
+    model, plan = load(models[family], backend=backend, **budgets(plans0(family))["sparse-first"])
+    pad = model.config.pad_token_id
+    long = prompt_ids(models[family], 12)[0]
+    short = prompt_ids(models[family], 8)[0].flip(0)  # another sequence, 8 tokens
+    ids = torch.stack([long, torch.cat([torch.full((4,), pad), short])])   # [2, 12], left padding
+    mask = torch.stack([torch.ones(12, dtype=torch.long), torch.cat([torch.zeros(4), torch.ones(8)]).long()])
+    routing = Routing(model)
+    model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=pad)
+    calls = model.moe_offload_runtime.counter.calls
+    assert [n for n, _ in calls] == [12, 1, 1, 1, 1]
+    assert calls == hand_count(plan, routing)
+    # Each decode step routes 2 tokens: between k and 2k distinct experts per layer, and the union matters.
+    distinct = [index.unique().numel() for call in routing.calls[1:] for _, index in call["routed"]]
+    assert all(TOP_K <= d <= 2 * TOP_K for d in distinct)
+    assert any(d > TOP_K for d in distinct), distinct
+    decode = [b for _, b in calls[1:]]
+    assert model.moe_offload_runtime.counter.decode_bytes_per_token(batch=2) == sum(decode) / (4 * 2)
+
+
+@pytest.fixture(scope="module")
+def tied_model(tmp_path_factory):
+    return make_tied(tmp_path_factory.mktemp("tied") / "qwen3_moe_tied")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_offloaded_tied_table_is_counted_as_head_and_rows(tied_model, backend):
+    """The tied table is read in full by the LM head and by rows by the input embedding."""
+    table = TIED_VOCAB * 32 * 4
+    model, plan = load(tied_model, backend=backend, offload_gb=table / GiB, policy="declaration")
+    assert [t.name for t in plan.tensors if t.tier == "host"] == ["model.embed_tokens.weight"]
+    routing = Routing(model)
+    ids = TIED_IDS
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    calls = model.moe_offload_runtime.counter.calls
+    assert calls == hand_count(plan, routing, tied_rows=True)
+    assert [b for _, b in calls[1:]] == [table + 32 * 4] * 3
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(run(model, ids, 4)[0], run(reference_model(tied_model, "qwen3_moe"), ids, 4)[0])
+
+
+# --- mechanism ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mechanism_is_reported_honestly_on_cpu(models, plans0, backend):
+    model, _ = load(models["qwen3_moe"], backend=backend, **budgets(plans0("qwen3_moe"))["sparse-first"])
+    runtime = model.moe_offload_runtime
+    assert runtime.device.type == "cpu" and runtime.backend == backend
+    text = runtime.mechanism.lower()
+    assert backend in text and "cpu" in text and "no accelerator" in text
+    assert "pinned" not in text and "no accelerator" in runtime.arena.mechanism.lower()
+    assert all(not slab.registered and slab.view is None for slab in runtime.arena.slabs)
+
+
+# --- staging buffers ------------------------------------------------------------------------------------------
+
+
+def _staging(runtime) -> dict:
+    bufs = {("staging", key): buf for key, buf in runtime._staging.items()}
+    dense = getattr(runtime, "_dense", None)
+    if dense is not None:
+        bufs.update({("ring", i): buf for i, buf in enumerate(dense.ring) if buf is not None})
+    return bufs
+
+
+def _nbytes(bufs) -> int:
+    return sum(b.numel() * b.element_size() for b in bufs.values())
+
+
+@pytest.fixture(scope="module")
+def deep_model(tmp_path_factory):
+    """qwen3_moe with 4 MoE layers: experts 4 x 110592 B = 442368 B."""
+    return make_tiny(tmp_path_factory.mktemp("deep") / "qwen3_moe_4", family="qwen3_moe",
+                     **{**SIZES, "layers": 4})
+
+
+@pytest.mark.parametrize("arm", ["sparse-first", "all"])
+def test_prefetch_staging_buffers_are_reused(deep_model, arm):
+    model, plan = load(deep_model, backend="prefetch", **budgets(mo.plan(deep_model))[arm])
+    runtime = model.moe_offload_runtime
+    ids = prompt_ids(deep_model)
+    routed_host = [t for t in plan.tensors if t.tier == "host" and t.role == "routed_expert"]
+    assert len(routed_host) == 8  # every expert tensor of the 4 layers is offloaded
+    run(model, ids, new_tokens=3)
+    first = _staging(runtime)
+    assert first, "the prefetch backend staged nothing"
+    seen = {k: b.data_ptr() for k, b in first.items()}
+    for _ in range(3):
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+        now = _staging(runtime)
+        assert now.keys() == first.keys()                               # no new buffer per step or per layer
+        assert {k: b.data_ptr() for k, b in now.items()} == seen        # the same memory, not reallocated
+    # One buffer per expert-slice shape, never more than one layer's E experts (gate_up 96x32, down 32x48).
+    for key, buf in runtime._staging.items():
+        if key[0] == "rows" and key[1] in ((96, 32), (32, 48)):
+            assert buf.numel() <= EXPERTS * key[1][0] * key[1][1]
+    expert_keys = {key[1] for key in runtime._staging if key[0] == "rows"} & {(96, 32), (32, 48)}
+    assert expert_keys == {(96, 32), (32, 48)}
+    routed_bytes = sum(t.bytes for t in routed_host)
+    assert _nbytes(first) < plan.offloaded_bytes
+    assert _nbytes(first) <= routed_bytes / 4 + plan.offloaded_bytes - routed_bytes  # <= one layer of experts
+
+
+# --- detach ---------------------------------------------------------------------------------------------------
+
+
+def _hooks(model) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_detach_removes_every_hook(models, plans0, backend):
+    family = "gpt_oss"
+    model, plan = load(models[family], backend=backend, **budgets(plans0(family))["all"])
+    runtime = model.moe_offload_runtime
+    ids = prompt_ids(models[family])
+    reference = run(reference_model(models[family], family), ids)
+    run(model, ids)
+    assert _hooks(model) > 0
+    assert any(hasattr(m, "_moe_offload_state") for m in model.modules())
+    runtime.detach()
+    assert _hooks(model) == 0
+    assert all(not m._forward_hooks_with_kwargs and not m._forward_pre_hooks_with_kwargs for m in model.modules())
+    assert not any(hasattr(m, "_moe_offload_state") for m in model.modules())
+    counted = list(runtime.counter.calls)
+    got = run(model, ids)
+    assert runtime.counter.calls == counted  # nothing counts any more
+    assert all(torch.equal(a, b) for a, b in zip(got, reference))
+    assert mo.audit(model, plan) == []
