@@ -115,3 +115,19 @@ def family_dir(tmp_path):
 def save_tiny(tmp_path):
     """save_tiny(family, dtype="float32", max_shard_size=None, **overrides) -> checkpoint folder."""
     return lambda family, name=None, **kw: _save_tiny(tmp_path / (name or family), family, **kw)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _torch_on_one_thread():
+    """The whole suite runs torch on one CPU thread.
+
+    The tiny models here do microseconds of work per op; with 2 OpenMP threads on a busy 2-core
+    machine torch's thread hand-off dominates (index_add_ in the eager experts loop measured ~47 ms
+    per call with 2 threads against ~47 us with 1), so one thread keeps the suite fast and stable.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
