@@ -115,8 +115,14 @@ class Plan:
         return round(total)
 
     def link_bytes_per_token(self, batch: int | None = None) -> float:
+        """Expected bytes of offloaded weights read per decoded token.
+
+        Towers other than the language model (vision, audio) run at prefill only: a decoded
+        token reads none of their bytes. (They still rank as dense tensors, after the experts.)
+        """
         b = batch or self.batch
-        return sum(t.bytes * t.density(b) for t in self.tensors if t.tier != Tier.DEVICE) / b
+        return sum(t.bytes * t.density(b) for t in self.tensors
+                   if t.tier != Tier.DEVICE and t.component == "language") / b
 
     def roles(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {r.value: {"params": 0, "bytes": 0, "offloaded_bytes": 0} for r in Role}
