@@ -144,6 +144,45 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from rich.console import Console
+
+    from .bench import (DEFAULT_ARMS, DEFAULT_CONCURRENCY, parse_arms, parse_concurrency, plot, print_table,
+                        read_prompts, run_bench)
+
+    if args.policy is not None or args.offload_params:
+        raise MoeOffloadError("bench compares policies through --arms, not --policy / --offload-params: "
+                              "use e.g. --arms declaration,sparse-first,explicit:experts")
+    arms = parse_arms(args.arms or DEFAULT_ARMS)
+    levels = parse_concurrency(args.concurrency or DEFAULT_CONCURRENCY)
+    folder = _model_path(args.model)
+    # Fail before the long run, not after it, when an output cannot be written.
+    for out in (args.json, args.plot):
+        if out and out != "-" and not Path(out).parent.is_dir():
+            raise MoeOffloadError(f"cannot write {out}: the folder {Path(out).parent} does not exist; create it first")
+    if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise MoeOffloadError(f"--plot {args.plot}: name a .png (or .svg, .pdf) file")
+    prompts = read_prompts(args.prompts) if args.prompts else None
+    rows = run_bench(folder, arms=arms, concurrency=levels, runs=args.runs, max_new_tokens=args.max_new_tokens,
+                     offload_gb=args.offload_gb, device_memory_gb=args.device_memory, reserve_gb=args.reserve_gb,
+                     dtype=args.dtype, device=args.device, backend=args.backend, prompts=prompts,
+                     same_prompt=args.same_prompt, link_gbps=args.link_gbps, threads=args.threads,
+                     progress=sys.stderr.isatty())
+    to_stdout = args.json == "-"
+    print_table(rows, Console(stderr=True) if to_stdout else None)  # stdout holds only the JSON with --json -
+    if args.json:
+        text = json.dumps(rows, indent=1)
+        if to_stdout:
+            print(text)
+        else:
+            _write_atomic(Path(args.json), text + "\n")
+            print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
 def cmd_make_tiny(args) -> int:
     from .tiny import make_tiny
 
@@ -188,6 +227,30 @@ def build_parser() -> argparse.ArgumentParser:
     _runtime_options(g)
     g.add_argument("--json", action="store_true", help="print the result as one JSON document")
     g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="measure offloading arms side by side at one budget (speed and link bytes)")
+    b.add_argument("model", help="model folder (config.json, safetensors, tokenizer)")
+    b.add_argument("--arms",
+                   help="comma-separated: resident (offload nothing; skipped when it does not fit), declaration, "
+                        "sparse-first, explicit:SEG[+SEG...] (default: resident,declaration,sparse-first)")
+    _budget_options(b)
+    b.set_defaults(policy=None)  # arms choose the policy; an explicit --policy is refused
+    _runtime_options(b)
+    b.add_argument("--concurrency", metavar="C,C",
+                   help="sequences decoded together, one row per level (default 1,4)")
+    b.add_argument("--runs", type=int, default=3,
+                   help="measured runs per arm and level, after 1 warm-up run (default 3)")
+    b.add_argument("--max-new-tokens", type=int, default=32,
+                   help="tokens decoded per sequence, EOS ignored (default 32)")
+    b.add_argument("--prompts", metavar="FILE", help="one prompt per line (default: the built-in varied prompts)")
+    b.add_argument("--same-prompt", action="store_true",
+                   help="give every sequence the first prompt (flatters batched link traffic; labelled as such)")
+    b.add_argument("--link-gbps", type=float, metavar="X",
+                   help="host link bandwidth in GB/s (1e9 bytes/s): adds link ms per token from the measured bytes")
+    b.add_argument("--threads", type=int, metavar="N", help="CPU threads for torch while measuring (default: torch's)")
+    b.add_argument("--json", metavar="FILE", help="write the rows as one JSON list to FILE (`-`: stdout)")
+    b.add_argument("--plot", metavar="FILE.png", help="write a two-panel chart: tok/s and link bytes per token")
+    b.set_defaults(func=cmd_bench)
 
     t = sub.add_parser("make-tiny", help="write a small random-weight model folder")
     t.add_argument("dir")

@@ -1,0 +1,564 @@
+"""The benchmark: offloading arms side by side, at one budget, timed step by step.
+
+An *arm* is one way of choosing what to offload: `resident` (nothing), `declaration`
+(module declaration order, today's engines), `sparse-first` (by access density) or
+`explicit:SEG[+SEG...]` (only tensors under those name segments). Every arm loads the
+model once with `moe_offload.load`, then for each concurrency level c decodes a batch of
+c prompts (distinct unless `same_prompt`) with its own greedy loop:
+
+    prefill (use_cache) -> token 1          TTFT = prefill + first token
+    one forward per later token             ITL  = time between consecutive tokens
+
+always exactly `max_new_tokens` tokens (EOS ignored). One warm-up run per (arm, c) is
+discarded, then `runs` runs are measured. Link traffic is what the runtime's LinkCounter
+counted during the decode steps (prefill excluded), never derived from model size
+(DESIGN.md rule 6). `settings` is read back from the loaded model: which tensors'
+bytes actually lie in the host arena, by role.
+
+On a CPU-only machine both tiers are the same memory: times then measure the offload
+machinery's overhead, not a link, and link bytes per token is the figure that carries.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import math
+import os
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from .errors import MoeOffloadError
+from .planner import GiB, format_bytes
+
+NAMED_ARMS = ("resident", "declaration", "sparse-first")
+DEFAULT_ARMS = "resident,declaration,sparse-first"
+DEFAULT_CONCURRENCY = "1,4"
+SHOWN_NAMES = 32  # offloaded tensor names listed in `settings`; the count is always exact
+CPU_NOTE = ("cpu only: the host tier and the 'device' are the same memory, so the time figures measure the "
+            "offload machinery's overhead, not a host link; measured link bytes per token is the figure that "
+            "carries over to an accelerator")
+
+
+# --- arguments ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Arm:
+    name: str                        # as given: resident, declaration, sparse-first, explicit:a+b
+    policy: str | None               # None: resident (offload nothing)
+    offload_params: tuple[str, ...] = ()
+
+    def load_kwargs(self, budget: dict) -> dict:
+        if self.policy is None:
+            return dict(offload_gb=0.0)
+        kw = dict(budget, policy=self.policy)
+        if self.offload_params:
+            kw["offload_params"] = list(self.offload_params)
+        return kw
+
+
+def parse_arms(spec: str | Sequence[str]) -> list[Arm]:
+    """`resident,declaration,sparse-first,explicit:experts+shared_expert` -> arms, validated."""
+    items = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec)]
+    arms: list[Arm] = []
+    for item in items:
+        if item in NAMED_ARMS:
+            arms.append(Arm(item, None if item == "resident" else item))
+        elif item.startswith("explicit:"):
+            segs = tuple(s.strip() for s in item[len("explicit:"):].split("+"))
+            if not all(segs) or any(" " in s or s.strip(".") != s for s in segs):
+                raise MoeOffloadError(f"arm {item!r} is malformed: write explicit:SEG or explicit:SEG+SEG, "
+                                      "each SEG a dotted name segment sequence such as experts or mlp.experts")
+            arms.append(Arm(item, "sparse-first", segs))
+        else:
+            raise MoeOffloadError(f"unknown arm {item!r}: use resident, declaration, sparse-first or "
+                                  "explicit:SEG[+SEG...], comma-separated")
+    names = [a.name for a in arms]
+    if not arms or len(set(names)) != len(names):
+        raise MoeOffloadError(f"--arms {','.join(names)!r}: give each arm once, at least one")
+    return arms
+
+
+def parse_concurrency(spec: str | Sequence[int]) -> list[int]:
+    """`1,4` -> [1, 4]: distinct positive integers."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    try:
+        levels = [int(str(x).strip()) for x in items]
+    except ValueError:
+        raise MoeOffloadError(f"--concurrency {spec!r} is not a list of integers: write e.g. 1,4") from None
+    if not levels or min(levels) < 1 or len(set(levels)) != len(levels):
+        raise MoeOffloadError(f"--concurrency {spec!r}: give distinct sequence counts of at least 1, e.g. 1,4")
+    return levels
+
+
+def read_prompts(path: str | os.PathLike) -> list[str]:
+    """One prompt per non-empty line."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MoeOffloadError(f"cannot read prompts from {path} ({type(exc).__name__}); give a UTF-8 text file "
+                              "with one prompt per line") from exc
+    return [line.strip() for line in lines if line.strip()]
+
+
+def _batch_prompts(prompts: Sequence[str], c: int, same_prompt: bool) -> list[str]:
+    if same_prompt:
+        return [prompts[0]] * c
+    return list(prompts[:c])
+
+
+# --- one run -----------------------------------------------------------------------------
+
+@dataclass
+class _Run:
+    ttft_s: float
+    itl_s: list[float]              # one per decode step (max_new_tokens - 1)
+    wall_s: float                   # prefill start -> last token
+    decode_link_bytes: list[int]    # LinkCounter bytes of each decode step
+    token_ids: torch.Tensor         # [c, max_new_tokens]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type != "cpu" and hasattr(torch, "accelerator"):
+        torch.accelerator.synchronize()
+
+
+def _forward_keywords(model) -> tuple[str, bool, bool]:
+    """(cache keyword, takes position_ids, takes logits_to_keep) of this model's forward."""
+    params = inspect.signature(type(model).forward).parameters
+    cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.2x renamed it
+    return cache_kw, "position_ids" in params, "logits_to_keep" in params
+
+
+def _greedy(model, enc, max_new_tokens: int, device: torch.device) -> _Run:
+    """Greedy decoding, one timed forward per token; exactly max_new_tokens tokens (EOS ignored)."""
+    counter = model.moe_offload_runtime.counter
+    cache_kw, takes_pos, takes_keep = _forward_keywords(model)
+    ids, mask = enc["input_ids"], enc["attention_mask"]       # ids, mask: [c, P], left-padded
+    extra = {"logits_to_keep": 1} if takes_keep else {}
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)            # [c, P] positions as generate() gives them
+    _sync(device)
+    start = time.perf_counter()
+    out = model(input_ids=ids, attention_mask=mask, use_cache=True, **extra,
+                **({"position_ids": pos} if takes_pos else {}))
+    nxt = out.logits[:, -1].argmax(-1, keepdim=True)           # [c, 1]
+    _sync(device)
+    last = time.perf_counter()
+    ttft = last - start
+    tokens, itl, link = [nxt], [], []
+    cache = getattr(out, cache_kw, None)
+    assert cache is not None, f"{type(model).__name__} returned no cache with use_cache=True"
+    for _ in range(max_new_tokens - 1):
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)   # [c, P + t]
+        pos = pos[:, -1:] + 1                                              # [c, 1]
+        out = model(input_ids=nxt, attention_mask=mask, use_cache=True, **{cache_kw: cache}, **extra,
+                    **({"position_ids": pos} if takes_pos else {}))
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        _sync(device)
+        now = time.perf_counter()
+        itl.append(now - last)
+        last = now
+        link.append(counter.calls[-1][1])                     # this forward's bytes from the host tier
+        cache = getattr(out, cache_kw, None)
+        tokens.append(nxt)
+    return _Run(ttft, itl, last - start, link, torch.cat(tokens, dim=1).cpu())
+
+
+def _measure(model, enc, runs: int, max_new_tokens: int, device: torch.device, describe, advance) -> list[_Run]:
+    """One warm-up run (discarded), then `runs` measured runs of the same batch."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    measured = []
+    with torch.no_grad():
+        for i in range(runs + 1):
+            describe("warm-up" if i == 0 else f"run {i}/{runs}")
+            model.moe_offload_runtime.counter.reset()
+            run = _greedy(model, enc, max_new_tokens, device)
+            if i > 0:
+                measured.append(run)
+            advance()
+    return measured
+
+
+# --- read-back -----------------------------------------------------------------------------
+
+def applied_settings(model, plan) -> dict:
+    """The plan as it actually lies in memory: what the host arena holds, by role, and by name."""
+    rt = model.moe_offload_runtime
+    role_of = {t.name: t.role for t in plan.tensors}
+    by_role: dict[str, int] = defaultdict(int)
+    names: list[str] = []
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    for name, t in tensors:
+        if rt.arena.owns(t):
+            by_role[role_of.get(name, "other")] += t.numel() * t.element_size()
+            names.append(name)
+    out = {
+        "policy": plan.policy,
+        "offload_params": list(plan.offload_params),
+        "budget_bytes": plan.budget_bytes,
+        "backend": rt.backend,
+        "device": str(rt.device),
+        "host_bytes_by_role": dict(by_role),
+        "offloaded_tensor_count": len(names),
+        "offloaded_tensors": names[:SHOWN_NAMES],
+    }
+    if rt.device.type == "cpu":
+        out["threads"] = torch.get_num_threads()
+    return out
+
+
+def device_resident_bytes(model) -> int:
+    """Bytes of weights and staging buffers that live on the run device (not in the host arena)."""
+    rt = model.moe_offload_runtime
+    seen: set[int] = set()
+    total = 0
+    for _, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.device == rt.device and not rt.arena.owns(t) and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    # Staging buffers of the prefetch backend (reused device copies of offloaded weights).
+    staging = list(getattr(rt, "_staging", {}).values())
+    dense = getattr(rt, "_dense", None)
+    staging += [b for b in getattr(dense, "ring", []) if b is not None]
+    return total + sum(b.numel() * b.element_size() for b in staging)
+
+
+# --- statistics ----------------------------------------------------------------------------
+
+def _percentile(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _row(arm: Arm, c: int, runs: list[_Run], model, plan, *, prompts: list[str], same_prompt: bool,
+         max_new_tokens: int, link_gbps: float | None, model_name: str, budget_label: str) -> dict:
+    rt = model.moe_offload_runtime
+    itl = [s for r in runs for s in r.itl_s]
+    itl_p50 = _percentile(itl, 50)
+    per_run_wall = [c * max_new_tokens / r.wall_s for r in runs]
+    med = statistics.median(per_run_wall)
+    steps = sum(len(r.decode_link_bytes) for r in runs)
+    link = sum(sum(r.decode_link_bytes) for r in runs) / (steps * c)
+    if rt.device.type == "cuda":
+        device_bytes = torch.cuda.max_memory_allocated(rt.device)
+    else:
+        device_bytes = device_resident_bytes(model)
+    settings = applied_settings(model, plan)
+    row = {
+        "arm": arm.name,
+        "concurrency": c,
+        "runs": len(runs),
+        "max_new_tokens": max_new_tokens,
+        "itl_samples": len(itl),
+        "itl_p50_ms": itl_p50 * 1e3,
+        "itl_p90_ms": _percentile(itl, 90) * 1e3,
+        "tok_s_itl": c / itl_p50,
+        "tok_s_wall": c * max_new_tokens * len(runs) / sum(r.wall_s for r in runs),
+        "ttft_ms": statistics.median(r.ttft_s for r in runs) * 1e3,
+        "spread_pct": (max(per_run_wall) - min(per_run_wall)) / med * 100,
+        "offloaded_bytes": sum(settings["host_bytes_by_role"].values()),   # read back from the arena
+        "link_bytes_per_token": link,
+        "planned_link_bytes_per_token": plan.link_bytes_per_token(c),
+        "host_bytes": rt.host_bytes,
+        "device_bytes": int(device_bytes),
+        "same_prompt": same_prompt,
+        "prompts": prompts,
+        "mechanism": rt.mechanism,
+        "model": model_name,
+        "model_type": plan.model_type,
+        "budget": budget_label,
+        "settings": settings,
+    }
+    if link_gbps:
+        row["link_ms_per_token"] = link / (link_gbps * 1e9) * 1e3
+    return row
+
+
+# --- the benchmark ---------------------------------------------------------------------------
+
+def _budget_label(offload_gb, device_memory_gb, reserve_gb) -> str:
+    if offload_gb is not None:
+        return f"offload {offload_gb:g} GiB"
+    if device_memory_gb is not None:
+        from .planner import DEFAULT_RESERVE_GB
+
+        reserve = reserve_gb if reserve_gb is not None else DEFAULT_RESERVE_GB
+        return f"device memory {device_memory_gb:g} GiB (reserve {reserve:g})"
+    return "no budget"
+
+
+def _load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise MoeOffloadError(f"{folder} has no usable tokenizer ({type(exc).__name__}); bench needs "
+                              "tokenizer.json / tokenizer_config.json as save_pretrained writes them") from exc
+    tok.padding_side = "left"          # decode appends on the right: pad on the left, mask the pads
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _resident_skip(arm: Arm, model_dir: Path, dtype, budget: dict, device: torch.device) -> str | None:
+    """Why the resident arm cannot run at this budget, or None when it fits."""
+    from . import plan as make_plan
+
+    if budget.get("device_memory_gb") is not None:
+        p = make_plan(model_dir, dtype=dtype, **budget)
+        if p.offloaded_bytes:
+            return (f"resident skipped: the model ({format_bytes(p.total_bytes)}) does not fit "
+                    f"{budget['device_memory_gb']:g} GiB of device memory with the reserve; its plan offloads "
+                    f"{format_bytes(p.offloaded_bytes)}")
+    elif device.type == "cuda":
+        total = make_plan(model_dir, dtype=dtype).total_bytes
+        free, _ = torch.cuda.mem_get_info(device)
+        if total > free:
+            return (f"resident skipped: the model ({format_bytes(total)}) is larger than the "
+                    f"{format_bytes(free)} free on {device}")
+    return None
+
+
+def run_bench(model_dir, *, arms: Sequence[Arm] | str = DEFAULT_ARMS,
+              concurrency: Sequence[int] | str = DEFAULT_CONCURRENCY, runs: int = 3, max_new_tokens: int = 32,
+              offload_gb: float | None = None, device_memory_gb: float | None = None,
+              reserve_gb: float | None = None, dtype: str | None = None, device=None, backend: str | None = None,
+              prompts: Sequence[str] | None = None,
+              same_prompt: bool = False, link_gbps: float | None = None, threads: int | None = None,
+              progress: bool = False, log: Callable[[str], None] | None = None) -> list[dict]:
+    """Measure every arm at every concurrency level; one row per (arm, concurrency), in that order.
+
+    Skipped arms (resident when the model does not fit) are reported through `log`
+    (default: stderr) and have no row. `threads`: CPU threads torch uses while measuring
+    (restored afterwards); on a small shared CPU one thread gives much steadier times.
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from . import load, plan as make_plan
+    from .prompts import PROMPTS
+    from .storage import resolve_device
+
+    arms = list(arms) if all(isinstance(a, Arm) for a in arms) and not isinstance(arms, str) else parse_arms(arms)
+    levels = parse_concurrency(concurrency)
+    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
+        raise MoeOffloadError(f"--runs {runs}: give at least 1 measured run (one more runs first as warm-up)")
+    if max_new_tokens < 2:
+        raise MoeOffloadError(f"--max-new-tokens {max_new_tokens}: bench needs at least 2 (the first token "
+                              "comes from prefill, inter-token latency from the later ones)")
+    if link_gbps is not None and not (math.isfinite(link_gbps) and link_gbps > 0):
+        raise MoeOffloadError(f"--link-gbps {link_gbps}: give the link bandwidth in GB/s, e.g. 25 for PCIe Gen4 x16")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise MoeOffloadError(f"--threads {threads}: give a number of CPU threads of at least 1")
+    prompts = list(PROMPTS if prompts is None else prompts)
+    if not prompts:
+        raise MoeOffloadError("no prompts given: the prompts file is empty")
+    if not same_prompt and len(prompts) < max(levels):
+        raise MoeOffloadError(f"{len(prompts)} prompt(s) for concurrency {max(levels)}: each concurrent sequence "
+                              "needs its own prompt; give more prompts or --same-prompt")
+    folder = Path(model_dir)
+    if not folder.is_dir():
+        raise MoeOffloadError(f"{folder} is not a model folder: bench needs config.json, safetensors and a tokenizer")
+    budget = dict(offload_gb=offload_gb, device_memory_gb=device_memory_gb, reserve_gb=reserve_gb)
+    if offload_gb is None and device_memory_gb is None and any(a.policy for a in arms):
+        raise MoeOffloadError("bench compares arms at one budget, and none was given: add --offload-gb X or "
+                              "--device-memory X (see `moe-offload plan` for the model's sizes)")
+    dev = resolve_device(device)
+    console = Console(stderr=True)
+    log = log or (lambda msg: console.print(msg, markup=False, highlight=False))
+
+    # Plan every arm first (no tensor data): a bad selector or budget fails before anything runs.
+    active: list[Arm] = []
+    for arm in arms:
+        if arm.policy is None:
+            reason = _resident_skip(arm, folder, dtype, budget, dev)
+            if reason:
+                log(reason)
+                continue
+        make_plan(folder, dtype=dtype, **arm.load_kwargs(budget))
+        active.append(arm)
+    if not active:
+        raise MoeOffloadError("no arm can run at this budget (reasons above): add an arm that offloads, e.g. "
+                              "--arms declaration,sparse-first")
+    tokenizer = _load_tokenizer(folder)
+    label = _budget_label(offload_gb, device_memory_gb, reserve_gb)
+
+    rows: list[dict] = []
+    saved_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    try:
+        with Progress(*columns, console=console, transient=True, disable=not progress) as bar:
+            task = bar.add_task("bench", total=len(active) * len(levels) * (runs + 1))
+            for arm in active:
+                bar.update(task, description=f"{arm.name}: loading")
+                model, applied = load(folder, device=dev, backend=backend, dtype=dtype, **arm.load_kwargs(budget))
+                try:
+                    for c in levels:
+                        batch = _batch_prompts(prompts, c, same_prompt)
+                        measured = _measure(model, tokenizer(batch, return_tensors="pt", padding=True).to(dev),
+                                            runs, max_new_tokens, dev,
+                                            lambda what: bar.update(task, description=f"{arm.name} c={c} {what}"),
+                                            lambda: bar.advance(task))
+                        rows.append(_row(arm, c, measured, model, applied, prompts=batch, same_prompt=same_prompt,
+                                         max_new_tokens=max_new_tokens, link_gbps=link_gbps,
+                                         model_name=folder.resolve().name, budget_label=label))
+                finally:
+                    # Free this arm before the next one loads: hooks off, model gone, then the host slabs.
+                    runtime = model.moe_offload_runtime
+                    runtime.detach()
+                    arena = runtime.arena
+                    del model, applied, runtime
+                    gc.collect()
+                    arena.release()
+                    if dev.type == "cuda":
+                        torch.cuda.empty_cache()
+    finally:
+        torch.set_num_threads(saved_threads)
+    return rows
+
+
+# --- output ------------------------------------------------------------------------------------
+
+_SPEED = (("ITL p50 ms", lambda r: f"{r['itl_p50_ms']:.2f}"), ("ITL p90 ms", lambda r: f"{r['itl_p90_ms']:.2f}"),
+          ("tok/s 1/ITL", lambda r: f"{r['tok_s_itl']:.1f}"), ("tok/s wall", lambda r: f"{r['tok_s_wall']:.1f}"),
+          ("TTFT ms", lambda r: f"{r['ttft_ms']:.1f}"), ("spread", lambda r: f"{r['spread_pct']:.0f}%"))
+_BYTES = (("offloaded", lambda r: format_bytes(r["offloaded_bytes"])),
+          ("link/token", lambda r: format_bytes(r["link_bytes_per_token"])),
+          ("link ms/token", lambda r: f"{r['link_ms_per_token']:.3f}" if "link_ms_per_token" in r else ""),
+          ("host", lambda r: format_bytes(r["host_bytes"])), ("device", lambda r: format_bytes(r["device_bytes"])))
+
+
+def _table(rows: Sequence[dict], columns, title: str | None = None, caption: str | None = None):
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
+    table.add_column("arm", no_wrap=True)
+    table.add_column("conc", justify="right")
+    for header, _ in columns:
+        table.add_column(header, justify="right", no_wrap=header in ("offloaded", "link/token", "host", "device"))
+    previous = None
+    for r in rows:
+        if previous is not None and r["arm"] != previous:
+            table.add_section()
+        previous = r["arm"]
+        table.add_row(r["arm"], str(r["concurrency"]), *(cell(r) for _, cell in columns))
+    return table
+
+
+def print_table(rows: Sequence[dict], console=None) -> None:
+    """One table on a wide console; on a narrow one, speed and bytes as two tables."""
+    from rich.console import Console
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=160)  # a file or pipe: no terminal width to respect, keep rows on one line
+    if not rows:
+        console.print("no arm ran (see the reasons above)")
+        return
+    first = rows[0]
+    prompts = ("the SAME prompt for every sequence (--same-prompt): batched sequences route alike, so link "
+               "figures are lower than real traffic" if first["same_prompt"] else "a distinct prompt per sequence")
+    title = (f"{first['model']}: {first['budget']}, {first['settings']['backend']} on {first['settings']['device']}; "
+             f"{first['runs']} measured runs after 1 warm-up, {first['max_new_tokens']} new tokens each")
+    byte_cols = [c for c in _BYTES if c[0] != "link ms/token" or any("link_ms_per_token" in r for r in rows)]
+    if console.width >= 150:
+        console.print(_table(rows, [*_SPEED, *byte_cols], title, f"prompts: {prompts}"))
+    else:
+        console.print(_table(rows, _SPEED, title))
+        # host bytes (the arena, alignment included) is in the JSON; offloaded says the same to a few bytes
+        console.print(_table(rows, [c for c in byte_cols if c[0] != "host"], caption=f"prompts: {prompts}"))
+    for mech in dict.fromkeys(r["mechanism"] for r in rows):
+        console.print(f"mechanism: {mech}", highlight=False)
+    if all(r["settings"]["device"] == "cpu" for r in rows):
+        console.print(f"[yellow]note:[/yellow] {CPU_NOTE}", highlight=False)
+
+
+def _machine(rows: Sequence[dict]) -> str:
+    dev = rows[0]["settings"]["device"]
+    if dev.startswith("cuda") and torch.cuda.is_available():
+        return f"{dev} ({torch.cuda.get_device_name(torch.device(dev))})"
+    if dev == "cpu":
+        return f"cpu ({os.cpu_count()} cores, torch threads: {rows[0]['settings'].get('threads', '?')})"
+    return dev
+
+
+def plot(rows: Sequence[dict], path, title: str | None = None) -> Path:
+    """Two panels: tok/s (1/ITL) and measured link bytes per token, per arm, grouped by concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not rows:
+        raise MoeOffloadError("nothing to plot: no arm ran")
+    path = Path(path)
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    levels = sorted({r["concurrency"] for r in rows})
+    by = {(r["arm"], r["concurrency"]): r for r in rows}
+    colours = {a: plt.get_cmap("tab10")(i % 10) for i, a in enumerate(arms)}
+    width = 0.8 / len(arms)
+
+    links = [r["link_bytes_per_token"] for r in rows]
+    scale, unit = next(((s, u) for s, u in ((GiB, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")) if max(links) >= s),
+                       (1, "bytes"))
+    positive = [x for x in links if x > 0]
+    log_scale = bool(positive) and max(positive) / min(positive) > 30
+
+    fig, (ax_tok, ax_link) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for panel, key, ylabel in ((ax_tok, "tok_s_itl", "tokens / s, all sequences (1 / ITL p50)"),
+                               (ax_link, "link_bytes_per_token", f"measured link {unit} per decoded token")):
+        for i, arm in enumerate(arms):
+            xs, ys = [], []
+            for j, c in enumerate(levels):
+                if (arm, c) in by:
+                    xs.append(j + (i - (len(arms) - 1) / 2) * width)
+                    ys.append(by[(arm, c)][key] / (scale if panel is ax_link else 1))
+            bars = panel.bar(xs, ys, width * 0.95, label=arm, color=colours[arm])
+            fmt = "{:.1f}" if panel is ax_tok else "{:.3g}"
+            panel.bar_label(bars, labels=[fmt.format(y) if y > 0 else "0" for y in ys], fontsize=8, padding=2)
+        panel.set_xticks(range(len(levels)), [f"{c} concurrent" for c in levels])
+        panel.set_xlabel("sequences decoded together")
+        panel.set_ylabel(ylabel)
+        panel.grid(axis="y", alpha=0.3)
+        panel.margins(y=0.15)
+    if log_scale:
+        ax_link.set_yscale("log")
+    on_cpu = all(r["settings"]["device"] == "cpu" for r in rows)
+    ax_tok.set_title("decode speed (higher is better)" + ("\ncpu: machinery overhead, no real link" if on_cpu else ""))
+    ax_link.set_title("host-link traffic per token (lower is better)" + (", log scale" if log_scale else ""))
+    ax_tok.legend(title="arm", fontsize=8)
+    first = rows[0]
+    title = title or (f"{first['model']} ({first['model_type']}), budget: {first['budget']}, "
+                      f"backend {first['settings']['backend']}")
+    sub = (f"{_machine(rows)}; {first['runs']} measured runs after 1 warm-up; "
+           f"{first['max_new_tokens']} new tokens per sequence")
+    if first["same_prompt"]:
+        sub += "; same prompt for every sequence"
+    fig.suptitle(f"{title}\n{sub}", fontsize=11)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise MoeOffloadError(f"cannot write {path}: {exc.strerror}; choose a writable path") from exc
+    finally:
+        plt.close(fig)
+    return path

@@ -1,0 +1,265 @@
+"""`moe_offload.bench` and `moe-offload bench`: every row measured, warm-up excluded, settings read back.
+
+The model is a make_tiny Qwen3-MoE: hidden 64, 2 layers, 8 experts, top-k 2, vocab 512, float32.
+
+    model.embed_tokens.weight         (512, 64)      131072 B   embedding (density 1/512)
+    per layer (x2):
+      self_attn.q/k/v/o_proj.weight                  49152 B   attention (q, o 16384 B; k, v 8192 B)
+      self_attn.q/k_norm, 2 layernorms                  640 B   norm
+      mlp.gate.weight                 (8, 64)          2048 B   router
+      mlp.experts.gate_up_proj        (8, 192, 64)   393216 B   routed expert
+      mlp.experts.down_proj           (8, 64, 96)    196608 B   routed expert
+    lm_head.weight                    (512, 64)      131072 B
+
+BUDGET is layer 0's experts, 589824 B. In declaration order that offloads the embedding,
+layer 0's attention (with its q/k norms), then its experts (770176 B); sparse-first offloads the
+embedding (lowest density) and layer 0's experts (720896 B), and no attention. Both read
+the same experts for the same prompts, so declaration reads at least 49152 B more per token.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import moe_offload as mo
+from moe_offload import bench
+from moe_offload.cli import main
+from moe_offload.planner import GiB, matches_selector
+from moe_offload.tiny import make_tiny
+
+EXPERTS_L0 = 393216 + 196608
+BUDGET_GB = EXPERTS_L0 / GiB          # exact in binary: the planner's target is 589824 B
+ATTENTION_L0 = 49152
+ARMS = "resident,declaration,sparse-first,explicit:experts"
+LEVELS = (1, 3)
+RUNS, NEW = 2, 4
+
+ROW_TYPES = {
+    "arm": str, "concurrency": int, "runs": int, "itl_p50_ms": float, "itl_p90_ms": float, "tok_s_itl": float,
+    "tok_s_wall": float, "ttft_ms": float, "spread_pct": float, "offloaded_bytes": int,
+    "link_bytes_per_token": float, "host_bytes": int, "device_bytes": int, "same_prompt": bool, "mechanism": str,
+    "link_ms_per_token": float, "settings": dict, "prompts": list, "itl_samples": int, "max_new_tokens": int,
+    "planned_link_bytes_per_token": float,
+}
+SETTINGS_TYPES = {
+    "policy": str, "offload_params": list, "budget_bytes": int, "backend": str, "device": str,
+    "host_bytes_by_role": dict, "offloaded_tensor_count": int, "offloaded_tensors": list,
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("bench") / "m", family="qwen3_moe", layers=2, experts=8, top_k=2,
+                     hidden=64)
+
+
+@pytest.fixture(scope="module")
+def rows(model_dir) -> list[dict]:
+    return bench.run_bench(model_dir, arms=ARMS, concurrency=LEVELS, runs=RUNS, max_new_tokens=NEW,
+                           offload_gb=BUDGET_GB, device="cpu", link_gbps=25.0)
+
+
+def _by(rows):
+    return {(r["arm"], r["concurrency"]): r for r in rows}
+
+
+def test_every_arm_and_level_has_a_row_with_every_field(rows):
+    assert [(r["arm"], r["concurrency"]) for r in rows] == [(a, c) for a in ARMS.split(",") for c in LEVELS]
+    for r in json.loads(json.dumps(rows)):             # the JSON document, not the Python objects
+        for field, kind in ROW_TYPES.items():
+            assert isinstance(r[field], kind), (r["arm"], field, r[field])
+            if kind in (int, float):
+                assert not isinstance(r[field], bool)
+        for field, kind in SETTINGS_TYPES.items():
+            assert isinstance(r["settings"][field], kind), (r["arm"], field)
+        assert all(isinstance(v, int) for v in r["settings"]["host_bytes_by_role"].values())
+        assert r["itl_p90_ms"] >= r["itl_p50_ms"] > 0 and r["ttft_ms"] > 0 and r["spread_pct"] >= 0
+        assert r["tok_s_itl"] == pytest.approx(r["concurrency"] / (r["itl_p50_ms"] / 1e3))
+        assert r["link_ms_per_token"] == pytest.approx(r["link_bytes_per_token"] / 25e9 * 1e3)
+        assert r["settings"]["backend"] == "uva" and r["settings"]["device"] == "cpu"
+        assert r["device_bytes"] > 0
+
+
+def test_runs_and_itl_samples_count_only_measured_runs(rows):
+    for r in rows:
+        assert r["runs"] == RUNS
+        assert r["itl_samples"] == RUNS * (NEW - 1)     # one ITL sample per decode step of each measured run
+
+
+def test_the_warm_up_run_is_discarded(model_dir, monkeypatch):
+    """The first run of each (arm, concurrency) is made absurdly slow: no figure may show it."""
+    real, calls = bench._greedy, []
+
+    def greedy(model, enc, max_new_tokens, device):
+        run = real(model, enc, max_new_tokens, device)
+        calls.append(enc["input_ids"].shape[0])
+        if len(calls) % (RUNS + 1) == 1:             # warm-up
+            run.ttft_s, run.wall_s, run.itl_s = 1e6, 1e6, [1e6] * len(run.itl_s)
+        return run
+
+    monkeypatch.setattr(bench, "_greedy", greedy)
+    out = bench.run_bench(model_dir, arms="sparse-first", concurrency=LEVELS, runs=RUNS, max_new_tokens=NEW,
+                          offload_gb=BUDGET_GB, device="cpu")
+    assert calls == [c for c in LEVELS for _ in range(RUNS + 1)]
+    for r in out:
+        assert r["ttft_ms"] < 1e6 and r["itl_p90_ms"] < 1e6 and r["tok_s_wall"] > 1e-3 and r["spread_pct"] < 1e6
+
+
+def test_settings_are_the_applied_plan(rows):
+    by = _by(rows)
+    for c in LEVELS:
+        res, dec, sf, ex = (by[(a, c)] for a in ARMS.split(","))
+        assert res["offloaded_bytes"] == res["host_bytes"] == res["settings"]["offloaded_tensor_count"] == 0
+        assert res["link_bytes_per_token"] == 0
+        assert dec["settings"]["policy"] == "declaration" and sf["settings"]["policy"] == "sparse-first"
+        assert ex["settings"]["policy"] == "explicit" and ex["settings"]["offload_params"] == ["experts"]
+        # Read back from the arena: declaration holds layer 0's attention there, sparse-first none.
+        assert dec["settings"]["host_bytes_by_role"]["attention"] == ATTENTION_L0
+        assert sf["settings"]["host_bytes_by_role"].get("attention", 0) == 0
+        assert "model.layers.0.self_attn.q_proj.weight" in dec["settings"]["offloaded_tensors"]
+        assert not any("self_attn" in n for n in sf["settings"]["offloaded_tensors"])
+        # explicit:experts: only tensors under an `experts` segment, and they are layer 0's experts.
+        names = ex["settings"]["offloaded_tensors"]
+        assert names == ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]
+        assert all(matches_selector(n, "experts") for n in names)
+        assert ex["settings"]["host_bytes_by_role"] == {"routed_expert": EXPERTS_L0}
+        for r in (dec, sf, ex):
+            s = r["settings"]
+            assert r["offloaded_bytes"] == sum(s["host_bytes_by_role"].values())
+            assert s["offloaded_tensor_count"] == len(s["offloaded_tensors"])
+            assert r["host_bytes"] >= r["offloaded_bytes"]
+        assert dec["offloaded_bytes"] == 770176 and sf["offloaded_bytes"] == 720896
+
+
+def test_declaration_reads_more_over_the_link_than_sparse_first(rows):
+    by = _by(rows)
+    for c in LEVELS:
+        dec, sf = by[("declaration", c)], by[("sparse-first", c)]
+        assert sf["link_bytes_per_token"] > 0
+        # Same routing, same experts offloaded; declaration also reads layer 0's attention on every step.
+        assert dec["link_bytes_per_token"] >= sf["link_bytes_per_token"] + ATTENTION_L0 / c
+
+
+def test_prompts_are_distinct_per_sequence(rows):
+    for r in rows:
+        assert r["same_prompt"] is False
+        assert len(r["prompts"]) == r["concurrency"] == len(set(r["prompts"]))
+
+
+def test_same_prompt_is_labelled(model_dir, capsys):
+    out = bench.run_bench(model_dir, arms="sparse-first", concurrency=[2], runs=1, max_new_tokens=2,
+                          offload_gb=BUDGET_GB, device="cpu", same_prompt=True, prompts=["only one prompt"])
+    assert out[0]["same_prompt"] is True and out[0]["prompts"] == ["only one prompt"] * 2
+    bench.print_table(out)
+    assert "SAME prompt" in capsys.readouterr().out
+
+
+def test_the_decode_loop_is_greedy_decoding(model_dir):
+    """Cached one-token steps give generate()'s tokens, and a left-padded sequence decodes as it does alone."""
+    model, _ = mo.load(model_dir, device="cpu", offload_gb=BUDGET_GB)
+    tok = bench._load_tokenizer(model_dir)
+    short, long = "The river.", "A much longer prompt about the slow history of printing presses in Europe."
+    with torch.no_grad():
+        alone = tok([short], return_tensors="pt")
+        mine = bench._greedy(model, alone, 6, torch.device("cpu")).token_ids
+        ref = model.generate(**alone, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        assert mine.tolist() == ref[:, alone["input_ids"].shape[1]:].tolist()
+        padded = bench._greedy(model, tok([long, short], return_tensors="pt", padding=True), 6,
+                               torch.device("cpu")).token_ids
+    assert padded[1].tolist() == mine[0].tolist()
+
+
+def test_resident_is_skipped_when_the_model_does_not_fit(model_dir):
+    total = mo.plan(model_dir).total_bytes
+    said = []
+    out = bench.run_bench(model_dir, arms="resident,sparse-first", concurrency=[1], runs=1, max_new_tokens=2,
+                          device_memory_gb=(total - EXPERTS_L0) / GiB, reserve_gb=0, device="cpu", log=said.append)
+    assert [r["arm"] for r in out] == ["sparse-first"]
+    assert len(said) == 1 and said[0].startswith("resident skipped")
+
+
+def test_prefetch_backend_counts_staging_on_the_device(model_dir):
+    out = bench.run_bench(model_dir, arms="declaration", concurrency=[1], runs=1, max_new_tokens=2,
+                          offload_gb=BUDGET_GB, device="cpu", backend="prefetch")
+    r = out[0]
+    assert r["settings"]["backend"] == "prefetch" and r["link_bytes_per_token"] > ATTENTION_L0
+    resident = mo.plan(model_dir).total_bytes - r["offloaded_bytes"]
+    assert r["device_bytes"] > resident             # staged experts and dense tensors live on the device too
+
+
+def test_plot_writes_a_png(rows, tmp_path):
+    path = bench.plot(rows, tmp_path / "bench.png")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert not list(tmp_path.glob(".*"))            # no temporary file left behind
+
+
+def _cli(argv, capsys):
+    try:
+        rc = main(argv)
+    except SystemExit as exc:                       # argparse errors
+        rc = exc.code
+    return rc, *capsys.readouterr()
+
+
+def test_cli_writes_json_and_plot(model_dir, tmp_path, capsys):
+    js, png = tmp_path / "b.json", tmp_path / "b.png"
+    rc, out, err = _cli(["bench", str(model_dir), "--arms", "declaration,explicit:experts", "--concurrency", "2",
+                         "--runs", "1", "--max-new-tokens", "2", "--offload-gb", repr(BUDGET_GB), "--device", "cpu",
+                         "--json", str(js), "--plot", str(png)], capsys)
+    assert rc == 0, err
+    data = json.loads(js.read_text())
+    assert [(r["arm"], r["concurrency"], r["runs"]) for r in data] == [("declaration", 2, 1),
+                                                                       ("explicit:experts", 2, 1)]
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "declaration" in out and "explicit:experts" in out and "cpu only" in out
+    assert not out.lstrip().startswith("[")          # the JSON went to the file, the table to stdout
+
+
+def test_cli_json_to_stdout_is_only_json(model_dir, capsys):
+    rc, out, err = _cli(["bench", str(model_dir), "--arms", "sparse-first", "--concurrency", "1", "--runs", "1",
+                         "--max-new-tokens", "2", "--offload-gb", repr(BUDGET_GB), "--device", "cpu", "--json", "-"],
+                        capsys)
+    assert rc == 0, err
+    assert [r["arm"] for r in json.loads(out)] == ["sparse-first"]
+
+
+@pytest.mark.parametrize("extra", [
+    ["--arms", "resident,fastest"],                 # unknown arm
+    ["--arms", "explicit:"],                        # malformed explicit arm
+    ["--arms", "explicit:experts+"],
+    ["--arms", "sparse-first,sparse-first"],        # duplicate
+    ["--arms", "explicit:nothing_here"],            # selector that matches nothing
+    ["--concurrency", "1,x"],
+    ["--concurrency", "0,4"],
+    ["--runs", "0"],
+    ["--max-new-tokens", "1"],
+    ["--link-gbps", "0"],
+    ["--threads", "0"],
+    ["--policy", "declaration"],                    # arms choose the policy
+    ["--offload-params", "experts"],
+    ["--json", "/nonexistent-dir/b.json"],
+    ["--plot", "chart.txt"],
+    ["--concurrency", "3", "--prompts", "PROMPTS_FILE"],   # 2 prompts for 3 sequences
+    ["--offload-gb", "1000"],                       # more than the model
+    ["--runs", "many"],                             # argparse type error
+])
+def test_cli_user_errors_exit_2_with_one_error_line(model_dir, tmp_path, capsys, extra):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first prompt\n\nsecond prompt\n")
+    extra = [str(prompts) if a == "PROMPTS_FILE" else a for a in extra]
+    budget = [] if "--offload-gb" in extra else ["--offload-gb", repr(BUDGET_GB)]
+    rc, out, err = _cli(["bench", str(model_dir), "--device", "cpu", *budget, *extra], capsys)
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    assert out == ""
+
+
+def test_cli_bench_needs_a_budget(model_dir, capsys):
+    rc, _, err = _cli(["bench", str(model_dir), "--device", "cpu"], capsys)
+    assert rc == 2 and err.startswith("error:") and "--offload-gb" in err
