@@ -86,6 +86,10 @@ def load_for_cli(args, **extra):
     folder = _model_path(args.model)
     if not folder.is_dir():
         raise MoeOffloadError(f"{folder} is a file: generate and bench need the model folder (weights + tokenizer)")
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((folder / f).is_file() for f in tokenizer_files):
+        raise MoeOffloadError(f"{folder} has no tokenizer (none of {', '.join(tokenizer_files)}); generate and bench "
+                              "need the tokenizer files save_pretrained writes next to the weights")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -109,6 +113,8 @@ def cmd_generate(args) -> int:
     model, plan, tokenizer = load_for_cli(args)
     runtime = model.moe_offload_runtime
     enc = tokenizer(args.prompt, return_tensors="pt").to(runtime.device)
+    if enc["input_ids"].shape[1] == 0:
+        raise MoeOffloadError("the prompt encodes to no tokens: give a non-empty --prompt")
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     if args.ignore_eos:
         kwargs["min_new_tokens"] = args.max_new_tokens
@@ -260,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--top-k", type=int, default=2)
     t.add_argument("--hidden", type=int, default=64)
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
+                   help="dtype of the saved weights (default float32)")
     t.set_defaults(func=cmd_make_tiny)
     return parser
 
