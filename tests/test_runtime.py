@@ -30,7 +30,10 @@ from moe_offload.tiny import make_tiny
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
 
 # MoE layers per tiny model: DeepSeek-V3's first layer is dense (first_k_dense_replace=1).
-MOE_LAYERS = {f: (1,) if f == "deepseek_v3" else (0, 1) for f in FAMILIES}
+# Layers with a router, read off each family's tiny 2-layer model: DeepSeek/GLM keep layer 0 dense
+# (first_k_dense_replace=1); make_tiny's Jamba alternates a dense attention layer and a Mamba+MoE layer.
+_FIRST_DENSE = {"deepseek_v3", "deepseek_v2", "glm4_moe", "jamba"}
+MOE_LAYERS = {f: (1,) if f in _FIRST_DENSE else (0, 1) for f in FAMILIES}
 
 
 def load(folder, **kw):

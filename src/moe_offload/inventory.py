@@ -24,7 +24,7 @@ import torch.nn as nn
 from .errors import CheckpointError, ConfigError
 
 # Segments that hold numbered layers, and segments that mark a non-language tower.
-_LAYER_LISTS = {"layers", "layer", "h", "blocks", "block"}
+LAYER_LISTS = {"layers", "layer", "h", "blocks", "block"}
 _TOWERS = {
     "vision": {"visual", "vision_tower", "vision_model", "vision_encoder", "vision", "image_encoder",
                "multi_modal_projector", "mm_projector", "vision_projector"},
@@ -76,7 +76,7 @@ class Inventory:
 def layer_of(name: str) -> int | None:
     parts = name.split(".")
     for prev, seg in zip(parts, parts[1:]):
-        if prev in _LAYER_LISTS and seg.isdigit():
+        if prev in LAYER_LISTS and seg.isdigit():
             return int(seg)
     return None
 

@@ -26,6 +26,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from .inventory import LAYER_LISTS
+
 EXPERTS_IMPL = "moe_offload"
 BACKENDS = ("uva", "prefetch")
 
@@ -183,6 +185,7 @@ class Runtime:
         # reads the offloaded embedding table in full, through its own module.
         tensors = {**dict(self.model.named_parameters(remove_duplicate=False)), **dict(self.model.named_buffers())}
         host_ids = {id(tensors[n]) for n in self.host_names if n in tensors}
+        modules = dict(self.model.named_modules())
         by_module: dict[str, list[str]] = {}
         for name, tensor in tensors.items():
             if id(tensor) not in host_ids:
@@ -190,7 +193,8 @@ class Runtime:
             mod_name, _, local = name.rpartition(".")
             by_module.setdefault(mod_name, []).append(local)
         experts_modules = []
-        for mod_name, mod in self.model.named_modules():
+        dense_groups: dict[str, list[str]] = {}
+        for mod_name, mod in modules.items():
             locals_ = by_module.get(mod_name)
             is_experts = hasattr(type(mod).forward, "__wrapped__") and "Experts" in type(mod).__name__
             if is_experts:
@@ -201,7 +205,14 @@ class Runtime:
             elif locals_ and isinstance(mod, nn.Embedding):
                 self._hook_embedding(mod, locals_)
             elif locals_:
-                self._hook_dense(mod_name, mod, locals_)
+                # Dense tensors are handled per decoder layer: a layer always runs, while some of its
+                # submodules are only read through (Mamba's conv1d weight, read by its mixer, never called).
+                group = _layer_prefix(mod_name)
+                group = mod_name if group is None else group
+                rel = mod_name[len(group):].lstrip(".")
+                dense_groups.setdefault(group, []).extend(f"{rel}.{n}" if rel else n for n in locals_)
+        for group, paths in dense_groups.items():
+            self._hook_dense(group, modules[group], paths)
         if experts_modules:
             self.model.set_experts_implementation(EXPERTS_IMPL)
         self._handles.append(self.model.register_forward_pre_hook(self._top_pre, with_kwargs=True))
@@ -254,7 +265,8 @@ class Runtime:
         self._handles.append(mod.register_forward_hook(post))
 
     def _hook_dense(self, mod_name: str, mod: nn.Module, locals_: list[str]) -> None:
-        nbytes = sum(getattr(mod, n).numel() * getattr(mod, n).element_size() for n in locals_)
+        """`locals_`: dotted paths, relative to `mod`, of its offloaded dense tensors (read in full per call)."""
+        nbytes = sum(_get(mod, n).numel() * _get(mod, n).element_size() for n in locals_)
         if self.backend == "uva":
             self._handles.append(mod.register_forward_pre_hook(lambda m, a: self.counter.add(nbytes)))
             return
@@ -312,7 +324,7 @@ class _DensePrefetcher:
         _, locals_, nbytes = self.modules[id(mod)]
         self.rt.counter.add(nbytes)                           # read in full, every call
         if not hasattr(mod, "_moe_offload_host"):
-            mod._moe_offload_host = {n: getattr(mod, n) for n in locals_}
+            mod._moe_offload_host = {n: _get(mod, n) for n in locals_}
         if self.outer is None:
             self.outer = {i for i, name in self.names.items()
                           if any(o != i and other.startswith(f"{name}." if name else "")
@@ -371,8 +383,24 @@ class _DensePrefetcher:
         self.slot = 1 - self.slot
 
 
-def _put(mod: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """Swap a parameter or buffer of `mod` (the host tensor back, or its staged copy) without touching the rest."""
+def _layer_prefix(name: str) -> str | None:
+    """`model.layers.3` for `model.layers.3.self_attn.q_proj`; None outside numbered layers."""
+    parts = name.split(".")
+    for i, (prev, seg) in enumerate(zip(parts, parts[1:])):
+        if prev in LAYER_LISTS and seg.isdigit():
+            return ".".join(parts[:i + 2])
+    return None
+
+
+def _get(mod: nn.Module, path: str) -> torch.Tensor:
+    owner, _, name = path.rpartition(".")
+    return getattr(mod.get_submodule(owner) if owner else mod, name)
+
+
+def _put(mod: nn.Module, path: str, tensor: torch.Tensor) -> None:
+    """Swap a parameter or buffer at `path` under `mod` (the host tensor back, or its staged copy)."""
+    owner, _, name = path.rpartition(".")
+    mod = mod.get_submodule(owner) if owner else mod
     if name in mod._buffers:
         mod._buffers[name] = tensor
     else:
