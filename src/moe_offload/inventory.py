@@ -73,12 +73,18 @@ class Inventory:
         return {r.name: r for r in self.records}
 
 
-def layer_of(name: str) -> int | None:
+def layer_prefix(name: str) -> str | None:
+    """`model.layers.3` for `model.layers.3.self_attn.q_proj.weight`; None outside numbered layers."""
     parts = name.split(".")
-    for prev, seg in zip(parts, parts[1:]):
+    for i, (prev, seg) in enumerate(zip(parts, parts[1:])):
         if prev in LAYER_LISTS and seg.isdigit():
-            return int(seg)
+            return ".".join(parts[:i + 2])
     return None
+
+
+def layer_of(name: str) -> int | None:
+    prefix = layer_prefix(name)
+    return int(prefix.rpartition(".")[2]) if prefix is not None else None
 
 
 def component_of(name: str) -> str:

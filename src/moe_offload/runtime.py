@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .inventory import LAYER_LISTS
+from .inventory import layer_prefix
 
 EXPERTS_IMPL = "moe_offload"
 BACKENDS = ("uva", "prefetch")
@@ -207,7 +207,7 @@ class Runtime:
             elif locals_:
                 # Dense tensors are handled per decoder layer: a layer always runs, while some of its
                 # submodules are only read through (Mamba's conv1d weight, read by its mixer, never called).
-                group = _layer_prefix(mod_name)
+                group = layer_prefix(mod_name)
                 group = mod_name if group is None else group
                 rel = mod_name[len(group):].lstrip(".")
                 dense_groups.setdefault(group, []).extend(f"{rel}.{n}" if rel else n for n in locals_)
@@ -381,15 +381,6 @@ class _DensePrefetcher:
             self.free[self.slot].record(torch.cuda.current_stream(self.rt.device))
         # The next module runs from the other slot (where its prefetch went, if any).
         self.slot = 1 - self.slot
-
-
-def _layer_prefix(name: str) -> str | None:
-    """`model.layers.3` for `model.layers.3.self_attn.q_proj`; None outside numbered layers."""
-    parts = name.split(".")
-    for i, (prev, seg) in enumerate(zip(parts, parts[1:])):
-        if prev in LAYER_LISTS and seg.isdigit():
-            return ".".join(parts[:i + 2])
-    return None
 
 
 def _get(mod: nn.Module, path: str) -> torch.Tensor:
