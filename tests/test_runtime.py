@@ -286,3 +286,22 @@ def test_detach_removes_every_hook(models, plans0, backend):
     assert runtime.counter.calls == counted  # nothing counts any more
     assert all(torch.equal(a, b) for a, b in zip(got, reference))
     assert mo.audit(model, plan) == []
+
+
+def test_one_token_prompt_prefill_is_not_a_decode_step(models):
+    folder = models["qwen3_moe"]
+    model, plan = load(folder, offload_gb=plan_total(folder) / GiB)  # everything offloaded
+    ids = prompt_ids(folder, n=1)
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    counter = model.moe_offload_runtime.counter
+    # Prefill of one token on an empty cache, then two decode steps.
+    assert [n for n, _ in counter.calls] == [1, 1, 1]
+    assert counter.decode == [False, True, True]
+    prefill_bytes = counter.calls[0][1]
+    decode = [b for _, b in counter.calls[1:]]
+    assert counter.decode_bytes_per_token() == sum(decode) / 2
+    assert prefill_bytes > 0
+
+
+def plan_total(folder) -> int:
+    return mo.plan(folder).total_bytes

@@ -37,22 +37,26 @@ class LinkCounter:
     """Bytes read from the host tier, per forward call of the whole model."""
 
     calls: list[tuple[int, int]] = field(default_factory=list)  # (new tokens per sequence, bytes)
+    decode: list[bool] = field(default_factory=list)             # per call: a step on a non-empty KV cache
     _pending: int = 0
 
     def add(self, nbytes: int) -> None:
         self._pending += int(nbytes)
 
-    def end_call(self, tokens_per_sequence: int) -> None:
+    def end_call(self, tokens_per_sequence: int, decode: bool | None = None) -> None:
         self.calls.append((tokens_per_sequence, self._pending))
+        self.decode.append(tokens_per_sequence == 1 if decode is None else decode)
         self._pending = 0
 
     def reset(self) -> None:
         self.calls.clear()
+        self.decode.clear()
         self._pending = 0
 
     def decode_bytes_per_token(self, batch: int = 1) -> float:
-        """Mean bytes per decoded token over decode steps (one new token per sequence), prefill excluded."""
-        steps = [b for n, b in self.calls if n == 1]
+        """Mean bytes per decoded token over decode steps (one new token per sequence, on a non-empty
+        cache: a one-token prompt's prefill is not a decode step), prefill excluded."""
+        steps = [b for (n, b), dec in zip(self.calls, self.decode) if n == 1 and dec]
         return sum(steps) / (len(steps) * batch) if steps else 0.0
 
 
@@ -232,9 +236,13 @@ class Runtime:
         if ids is None:
             ids = kwargs.get("inputs_embeds")
         self._tokens = int(ids.shape[1]) if ids is not None and ids.dim() >= 2 else 1
+        # transformers 5.24 names the KV cache `cache` (`past_key_values` before): a decode step extends one.
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        length = getattr(cache, "get_seq_length", None)
+        self._decode = bool(length()) if callable(length) else None
 
     def _top_post(self, module, args, kwargs, output):
-        self.counter.end_call(getattr(self, "_tokens", 1))
+        self.counter.end_call(getattr(self, "_tokens", 1), getattr(self, "_decode", None))
 
     def _hook_embedding(self, mod: nn.Embedding, locals_: list[str]) -> None:
         host = mod.weight
