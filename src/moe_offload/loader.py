@@ -12,7 +12,6 @@ memory. Any error leaves nothing behind: the half-built model is dropped, not re
 from __future__ import annotations
 
 import contextlib
-import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from .inventory import (DTYPE_NAMES, build_meta_model, from_checkpoint, read_con
                         safetensors_files)
 from .layouts import map_keys
 from .planner import Plan, Tier, plan as make_plan
-from .storage import HostArena, resolve_device
+from .storage import HostArena, resolve_device, set_tensor
 
 
 @contextlib.contextmanager
@@ -45,15 +44,6 @@ def _parameters_on_meta():
         yield
     finally:
         nn.Module.register_parameter = original
-
-
-def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor, is_buffer: bool) -> None:
-    mod_name, _, local = name.rpartition(".")
-    mod = model.get_submodule(mod_name) if mod_name else model
-    if is_buffer:
-        mod._buffers[local] = tensor
-    else:
-        mod._parameters[local] = nn.Parameter(tensor, requires_grad=False)
 
 
 def _progress(total: int, enabled: bool):
@@ -108,7 +98,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     try:
         _stream_checkpoint(folder, model, targets, by_name, progress)
         for name, (host_t, visible) in targets.items():
-            _set_tensor(model, name, visible, by_name[name].is_buffer)
+            set_tensor(model, name, visible, is_buffer=by_name[name].is_buffer)
         for alias, target in inv.tied:
             mod_name, _, local = alias.rpartition(".")
             (model.get_submodule(mod_name) if mod_name else model)._parameters[local] = \

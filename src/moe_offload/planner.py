@@ -22,7 +22,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Mapping, Sequence
+from typing import Sequence
 
 from .errors import BudgetError, SelectorError
 from .inventory import Inventory, TensorRecord

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from .inventory import layer_prefix
+from .storage import set_tensor
 
 EXPERTS_IMPL = "moe_offload"
 BACKENDS = ("uva", "prefetch")
@@ -182,7 +183,6 @@ class Runtime:
     # --- attach / detach -------------------------------------------------------------------
     def attach(self) -> None:
         """Route offloaded reads through this runtime: experts function, embedding and dense hooks."""
-        from .roles import Role  # noqa: F401  (roles are carried by the plan; imported for clarity)
 
         _register_experts_function()
         # Buffers too (DeepSeek's e_score_correction_bias), and every name of a tied tensor: a tied LM head
@@ -344,7 +344,7 @@ class _DensePrefetcher:
                 h = mod._moe_offload_host[n]
                 v = self.rt._buffer(("module", id(mod), n), tuple(h.shape), h.dtype)
                 v.copy_(h, non_blocking=True)
-                _put(mod, n, v)
+                set_tensor(mod, n, v)
             return None
         if self.last is not None and id(mod) not in self.order.get(self.last, ()):
             self.order[self.last] = (id(mod),)
@@ -358,7 +358,7 @@ class _DensePrefetcher:
         else:
             views = self._copy_into(self.slot, mod, locals_)
         for n, v in zip(locals_, views):
-            _put(mod, n, v)
+            set_tensor(mod, n, v)
         self._prefetch_next(mod)
         return None
 
@@ -381,7 +381,7 @@ class _DensePrefetcher:
     def post(self, mod, args, output):
         _, locals_, _ = self.modules[id(mod)]
         for n in locals_:
-            _put(mod, n, mod._moe_offload_host[n])
+            set_tensor(mod, n, mod._moe_offload_host[n])
         if id(mod) in (self.outer or ()):
             return
         if self.rt._stream is not None:
@@ -394,14 +394,3 @@ class _DensePrefetcher:
 def _get(mod: nn.Module, path: str) -> torch.Tensor:
     owner, _, name = path.rpartition(".")
     return getattr(mod.get_submodule(owner) if owner else mod, name)
-
-
-def _put(mod: nn.Module, path: str, tensor: torch.Tensor) -> None:
-    """Swap a parameter or buffer at `path` under `mod` (the host tensor back, or its staged copy)."""
-    owner, _, name = path.rpartition(".")
-    mod = mod.get_submodule(owner) if owner else mod
-    if name in mod._buffers:
-        mod._buffers[name] = tensor
-    else:
-        mod._parameters[name] = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor,
-                                                                                             requires_grad=False)

@@ -25,6 +25,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn as nn
 
 # Sub-allocation alignment: 256 bytes on an accelerator (what its kernels and DMA engines read
 # fastest, and what its own allocator guarantees, so kernel choice matches resident weights);
@@ -61,6 +62,18 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if dev.index is not None and dev.index >= count:
         raise DeviceError(f"device {device!r} does not exist: this machine has {count} {dev.type} device(s)")
     return dev
+
+
+def set_tensor(root: nn.Module, path: str, tensor: torch.Tensor, *, is_buffer: bool | None = None) -> None:
+    """Put `tensor` at dotted `path` under `root`, as a buffer if one is there (or `is_buffer`), else as a
+    frozen Parameter. The one way the loader, the runtime and transforms swap weights."""
+    owner_name, _, leaf = path.rpartition(".")
+    owner = root.get_submodule(owner_name) if owner_name else root
+    if is_buffer if is_buffer is not None else leaf in owner._buffers:
+        owner._buffers[leaf] = tensor
+    else:
+        owner._parameters[leaf] = tensor if isinstance(tensor, nn.Parameter) else \
+            nn.Parameter(tensor, requires_grad=False)
 
 
 @dataclass

@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from .auditor import audit
 from .errors import AuditError, MoeOffloadError
+from .storage import set_tensor
 
 Transform = Callable[[str, torch.Tensor], torch.Tensor]
 
@@ -34,15 +35,6 @@ def _runtime(model: nn.Module):
         raise MoeOffloadError("this model was not loaded by moe_offload.load: there is no placement to keep; "
                               "load it with moe_offload.load(...) first")
     return runtime
-
-
-def _register(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    mod_name, _, local = name.rpartition(".")
-    mod = model.get_submodule(mod_name) if mod_name else model
-    if local in mod._buffers:
-        mod._buffers[local] = tensor
-    else:
-        mod._parameters[local] = nn.Parameter(tensor, requires_grad=False)
 
 
 def _rehost(runtime, name: str, new: torch.Tensor) -> torch.Tensor:
@@ -87,10 +79,10 @@ def transform_weights(model: nn.Module, fn: Transform, *, names: Iterable[str] |
                 if new.device.type != "cpu":
                     raise MoeOffloadError(f"the transform moved offloaded {name} to {new.device}; transforms of "
                                           "offloaded weights must stay on the host")
-                _register(model, name, _rehost(runtime, name, new))
+                set_tensor(model, name, _rehost(runtime, name, new))
             else:
                 with torch.no_grad():
-                    _register(model, name, fn(name, tensors[name]))
+                    set_tensor(model, name, fn(name, tensors[name]))
     finally:
         runtime.attach()
     _check(model, runtime)
