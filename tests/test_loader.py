@@ -376,3 +376,25 @@ def test_impossible_budget(models, plans0):
     message = _no_result(models["qwen3_moe"], BudgetError, "offload-gb", offload_gb=(total + 1) / GiB)
     assert str(total) in message
     _no_result(models["qwen3_moe"], BudgetError, "non-negative", offload_gb=-1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dtype_override_plans_and_loads_in_that_dtype(models, backend):
+    folder = models["qwen3_moe"]
+    fp32 = mo.plan(folder)
+    # A bf16 plan of the same fp32 checkpoint: every floating tensor at 2 bytes per element.
+    plan = mo.plan(folder, dtype="bf16", offload_gb=fp32.total_bytes / 4 / GiB)
+    assert {t.dtype for t in plan.tensors} == {"bfloat16"}
+    assert plan.total_bytes == fp32.total_bytes // 2
+    model, loaded = mo.load(folder, dtype="bf16", backend=backend, offload_gb=fp32.total_bytes / 4 / GiB)
+    assert loaded.tiers == plan.tiers
+    assert model.moe_offload_runtime.arena.nbytes == loaded.offloaded_bytes
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert mo.audit(model, loaded) == []
+    import transformers
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
+                                                            experts_implementation="eager").eval()
+    ref.requires_grad_(False)
+    ids = torch.tensor([[1, 5, 9, 13, 17]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)

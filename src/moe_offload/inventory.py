@@ -366,13 +366,17 @@ def _expected_slot_shape(slot, full: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def from_checkpoint(folder, *, dtype: str | None = None) -> Inventory:
+def from_checkpoint(folder, *, dtype: str | None = None, model: nn.Module | None = None,
+                    config=None) -> Inventory:
+    """Inventory from the safetensors headers. `dtype` (bf16/fp16/fp32): floating tensors are counted in
+    that dtype, as the loader will hold them. `model`/`config`: the skeleton the caller already built."""
     folder = Path(folder)
-    config = read_config(folder)
+    config = config if config is not None else read_config(folder)
     files = safetensors_files(folder)
     if not files:
         raise CheckpointError(f"{folder} holds no .safetensors files; plan from its config.json instead")
-    model = build_meta_model(config, _storage_dtype(config, dtype))
+    if model is None:
+        model = build_meta_model(config, _storage_dtype(config, dtype))
     base = from_module(model)
     headers = read_headers(files)
     from .layouts import map_keys
@@ -432,15 +436,24 @@ def from_checkpoint(folder, *, dtype: str | None = None) -> Inventory:
         raise CheckpointError(
             f"{folder}: {len(missing)} tensor(s) of the model are in no checkpoint file (first: {missing[:3]}); "
             "the checkpoint is incomplete or for another config")
+    override = getattr(torch, DTYPE_NAMES[dtype]) if dtype else None
     records = []
     for r in base.records:
         if r.name in nbytes:
-            r = TensorRecord(r.name, r.shape, dtypes.get(r.name, r.dtype), nbytes[r.name], r.layer, r.component,
-                             r.module_class, r.is_buffer)
+            stored = dtypes.get(r.name, r.dtype)
+            if override is not None and getattr(torch, stored, None) in _FLOATS:
+                r = TensorRecord(r.name, r.shape, str(override).removeprefix("torch."), r.numel * override.itemsize,
+                                 r.layer, r.component, r.module_class, r.is_buffer)
+            else:
+                r = TensorRecord(r.name, r.shape, stored, nbytes[r.name], r.layer, r.component, r.module_class,
+                                 r.is_buffer)
         records.append(r)
     note = getattr(config, "_moe_offload_note", None)
     return Inventory(tuple(records), config.model_type, base.num_experts, base.top_k, base.tied, "checkpoint",
                      (note,) if note else ())
+
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def inventory(source, *, dtype: str | None = None) -> Inventory:
@@ -450,6 +463,6 @@ def inventory(source, *, dtype: str | None = None) -> Inventory:
     path = Path(source)
     if not path.exists():
         raise ConfigError(f"{path} does not exist: give a model folder or a config.json path")
-    if path.is_dir() and dtype is None and safetensors_files(path):
-        return from_checkpoint(path)
+    if path.is_dir() and safetensors_files(path):
+        return from_checkpoint(path, dtype=dtype)
     return from_config(path, dtype=dtype)

@@ -80,7 +80,11 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     if getattr(config, "quantization_config", None) is not None:
         raise CheckpointError(f"{folder} is a quantized checkpoint ({config.quantization_config.get('quant_method') if isinstance(config.quantization_config, dict) else config.quantization_config}); "
                               "moe-offload can plan it but loads only unquantized (fp32/bf16/fp16) checkpoints")
-    inv = from_checkpoint(folder, dtype=None)
+    storage_dtype = getattr(torch, DTYPE_NAMES[dtype]) if dtype else None
+    with _parameters_on_meta():
+        model = build_meta_model(config, storage_dtype, device="cpu")
+    model.eval()
+    inv = from_checkpoint(folder, dtype=dtype, model=model, config=config)
     if isinstance(plan, (str, Path)):
         plan = Plan.from_json(Path(plan).read_text())
     if plan is None:
@@ -89,10 +93,6 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
         raise SelectorError("give either a plan or budget options, not both")
     _check_plan_matches(plan, inv, folder)
 
-    storage_dtype = getattr(torch, DTYPE_NAMES[dtype]) if dtype else None
-    with _parameters_on_meta():
-        model = build_meta_model(config, storage_dtype, device="cpu")
-    model.eval()
     by_name = {t.name: t for t in plan.tensors}
     targets, arena = _allocate(model, plan, dev, want_uva=(backend == "uva"), dtype=storage_dtype)
     try:
