@@ -398,3 +398,17 @@ def test_dtype_override_plans_and_loads_in_that_dtype(models, backend):
     ids = torch.tensor([[1, 5, 9, 13, 17]])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+def test_move_buffers_leaves_placed_buffers_in_their_tier():
+    """Computed buffers follow the model to its device; a buffer already placed (e.g. offloaded) stays put.
+    (No second device here: `meta` stands in for the accelerator.)"""
+    from torch import nn
+
+    from moe_offload.loader import _move_buffers
+
+    model = nn.Module()
+    model.register_buffer("placed", torch.ones(2))
+    model.register_buffer("computed", torch.ones(2), persistent=False)
+    _move_buffers(model, torch.device("meta"), {"placed"})
+    assert model.placed.device.type == "cpu" and model.computed.device.type == "meta"

@@ -46,7 +46,7 @@ def _parameters_on_meta():
         nn.Module.register_parameter = original
 
 
-def _progress(total: int, enabled: bool):
+def _progress(enabled: bool):
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                                TransferSpeedColumn)
     from rich.console import Console
@@ -77,9 +77,11 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
         raise ConfigError(f"unknown dtype {dtype!r}: use bf16, fp16 or fp32")
 
     config = read_config(folder)
-    if getattr(config, "quantization_config", None) is not None:
-        raise CheckpointError(f"{folder} is a quantized checkpoint ({config.quantization_config.get('quant_method') if isinstance(config.quantization_config, dict) else config.quantization_config}); "
-                              "moe-offload can plan it but loads only unquantized (fp32/bf16/fp16) checkpoints")
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else type(quantization).__name__
+        raise CheckpointError(f"{folder} is a quantized checkpoint ({method}): moe-offload can plan it "
+                              "(`moe-offload plan`) but loads only unquantized fp32/bf16/fp16 checkpoints")
     storage_dtype = getattr(torch, DTYPE_NAMES[dtype]) if dtype else None
     with _parameters_on_meta():
         model = build_meta_model(config, storage_dtype, device="cpu")
@@ -94,15 +96,13 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     _check_plan_matches(plan, inv, folder)
 
     by_name = {t.name: t for t in plan.tensors}
-    targets, arena = _allocate(model, plan, dev, want_uva=(backend == "uva"), dtype=storage_dtype)
+    targets, arena = _allocate(model, plan, dev, want_uva=(backend == "uva"))
     try:
         _stream_checkpoint(folder, model, targets, by_name, progress)
         for name, (host_t, visible) in targets.items():
             set_tensor(model, name, visible, is_buffer=by_name[name].is_buffer)
         for alias, target in inv.tied:
-            mod_name, _, local = alias.rpartition(".")
-            (model.get_submodule(mod_name) if mod_name else model)._parameters[local] = \
-                model.get_parameter(target)
+            set_tensor(model, alias, model.get_parameter(target))  # the same Parameter: still tied
         _move_buffers(model, dev, set(targets))
         host_names = {t.name: t.tier for t in plan.tensors if t.tier != Tier.DEVICE}
         host_tensors = {name: targets[name][0] for name in host_names if name in targets}
@@ -129,12 +129,13 @@ def _check_plan_matches(plan: Plan, inv, folder: Path) -> None:
         raise MoeOffloadError(f"the plan is for another model than {folder}: plan-only tensors {only_plan}, "
                               f"model-only tensors {only_model}; plan this model again")
     for name, t in planned.items():
-        if tuple(t.shape) != actual[name].shape:
-            raise MoeOffloadError(f"the plan gives {name} shape {list(t.shape)} but {folder} has "
-                                  f"{list(actual[name].shape)}; plan this model again")
+        if tuple(t.shape) != actual[name].shape or t.dtype != actual[name].dtype:
+            raise MoeOffloadError(f"the plan gives {name} shape {list(t.shape)}, {t.dtype}, but {folder} loads "
+                                  f"it as {list(actual[name].shape)}, {actual[name].dtype}; plan this model "
+                                  "again (with the same --dtype)")
 
 
-def _allocate(model: nn.Module, plan: Plan, dev: torch.device, *, want_uva: bool, dtype):
+def _allocate(model: nn.Module, plan: Plan, dev: torch.device, *, want_uva: bool):
     """name -> (host tensor or device tensor, tensor the model holds); host tensors in per-layer slabs."""
     arena = HostArena(dev, want_uva)
     meta = {**dict(model.named_parameters()), **{n: b for n, b in model.named_buffers()}}
@@ -167,7 +168,7 @@ def _stream_checkpoint(folder: Path, model: nn.Module, targets, by_name, progres
     headers = read_headers(files)
     slots = map_keys(model, headers.keys(), known=set(by_name))
     written: dict[str, int] = defaultdict(int)
-    with _progress(0, progress) as bar:
+    with _progress(progress) as bar:
         task = bar.add_task("load", total=sum(t.bytes for t in by_name.values()))
         for path in files:
             with safe_open(str(path), framework="pt") as f:
@@ -213,12 +214,13 @@ def _destination(host: torch.Tensor, slot, key: str) -> torch.Tensor:
     return dst
 
 
-def _move_buffers(model: nn.Module, dev: torch.device, loaded: set[str]) -> None:
-    """Non-persistent buffers (rotary tables) were computed on the CPU at construction: move them."""
-    for mod in model.modules():
-        for name, buf in list(mod._buffers.items()):
-            if buf is not None and buf.device != dev and buf.device.type != "meta":
-                mod._buffers[name] = buf.to(dev)
+def _move_buffers(model: nn.Module, dev: torch.device, placed: set[str]) -> None:
+    """Non-persistent buffers (rotary tables) were computed on the CPU at construction: move them.
+
+    Buffers in `placed` are already in their planned tier (an offloaded one stays on the host)."""
+    for name, buf in list(model.named_buffers()):
+        if name not in placed and buf.device != dev and buf.device.type != "meta":
+            set_tensor(model, name, buf.to(dev), is_buffer=True)
     leftover = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if leftover:
         raise CheckpointError(f"{len(leftover)} parameter(s) were not loaded (first: {leftover[:3]})")
