@@ -250,11 +250,12 @@ def test_prefetch_staging_buffers_are_reused(deep_model, arm):
         assert now.keys() == first.keys()                               # no new buffer per step or per layer
         assert {k: b.data_ptr() for k, b in now.items()} == seen        # the same memory, not reallocated
     # One buffer per expert-slice shape, never more than one layer's E experts (gate_up 96x32, down 32x48).
+    # Row buffers are keyed ("rows", tensor name, row shape, dtype): one per expert tensor name, shared by layers.
     for key, buf in runtime._staging.items():
-        if key[0] == "rows" and key[1] in ((96, 32), (32, 48)):
-            assert buf.numel() <= EXPERTS * key[1][0] * key[1][1]
-    expert_keys = {key[1] for key in runtime._staging if key[0] == "rows"} & {(96, 32), (32, 48)}
-    assert expert_keys == {(96, 32), (32, 48)}
+        if key[0] == "rows" and key[2] in ((96, 32), (32, 48)):
+            assert buf.numel() <= EXPERTS * key[2][0] * key[2][1]
+    expert_keys = {(key[1], key[2]) for key in runtime._staging if key[0] == "rows"}
+    assert {("gate_up_proj", (96, 32)), ("down_proj", (32, 48))} <= expert_keys
     routed_bytes = sum(t.bytes for t in routed_host)
     assert _nbytes(first) < plan.offloaded_bytes
     assert _nbytes(first) <= routed_bytes / 4 + plan.offloaded_bytes - routed_bytes  # <= one layer of experts
@@ -305,3 +306,22 @@ def test_one_token_prompt_prefill_is_not_a_decode_step(models):
 
 def plan_total(folder) -> int:
     return mo.plan(folder).total_bytes
+
+
+def test_rows_of_two_tensors_staged_for_one_forward_do_not_share_a_buffer():
+    """gpt-oss's gate_up_proj_bias [E, 2I] and down_proj_bias [E, H] have the same row shape when 2I == H:
+    both are staged before the experts run, so each needs its own buffer."""
+    import torch.nn as nn
+    from moe_offload.runtime import Runtime
+    from moe_offload.storage import HostArena
+
+    rt = Runtime(nn.Module(), device=torch.device("cpu"), backend="prefetch",
+                 arena=HostArena(torch.device("cpu"), False), host_names={})
+    a, b = torch.arange(12.0).view(4, 3), -torch.arange(12.0).view(4, 3)
+    rows = torch.tensor([1, 3])
+    sa = rt.stage_rows(a, rows, key="gate_up_proj_bias")
+    sb = rt.stage_rows(b, rows, key="down_proj_bias")
+    assert torch.equal(sa, a[rows]) and torch.equal(sb, b[rows])
+    assert sa.data_ptr() != sb.data_ptr()
+    # The next layer reuses the same buffers.
+    assert rt.stage_rows(a, rows, key="gate_up_proj_bias").data_ptr() == sa.data_ptr()

@@ -114,7 +114,7 @@ class _ExpertsState:
         # prefetch: stage the U selected experts into reused buffers, renumber them 0..U-1. The eager
         # loop then visits them in the same ascending order, so the arithmetic is bit-identical.
         local = torch.searchsorted(selected, top_k_index)       # [T, k]
-        staged = {name: self.runtime.stage_rows(t, selected) for name, t in self.offloaded.items()}
+        staged = {name: self.runtime.stage_rows(t, selected, key=name) for name, t in self.offloaded.items()}
         for name, p in module.named_parameters(recurse=False):
             # Resident per-expert tensors are renumbered too (a device-local gather, no link bytes).
             if name not in staged and p.dim() >= 1 and p.shape[0] == self.num_experts:
@@ -168,10 +168,11 @@ class Runtime:
             self._staging[key] = buf
         return buf[:need].view(shape)
 
-    def stage_rows(self, host: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Copy host[rows] into a reused device buffer (one per row shape, shared by all layers)."""
+    def stage_rows(self, host: torch.Tensor, rows: torch.Tensor, *, key: str) -> torch.Tensor:
+        """Copy host[rows] into a reused device buffer, one per `key` (a tensor's local name, so two tensors
+        staged for the same forward never share one) and row shape, shared by all layers (they run in turn)."""
         count = rows.numel()
-        out = self._buffer(("rows", tuple(host.shape[1:]), host.dtype), (count, *host.shape[1:]), host.dtype)
+        out = self._buffer(("rows", key, tuple(host.shape[1:]), host.dtype), (count, *host.shape[1:]), host.dtype)
         if self.device.type == "cpu":
             torch.index_select(host, 0, rows, out=out)
         else:
@@ -205,6 +206,8 @@ class Runtime:
                 experts_modules.append(mod)
                 offl = {n: getattr(mod, n) for n in (locals_ or [])}
                 num = next((getattr(mod, f) for f in ("num_experts", "num_local_experts") if hasattr(mod, f)), None)
+                if num is None and offl:  # fused experts: the leading dim of every per-expert tensor
+                    num = next(iter(offl.values())).shape[0]
                 mod._moe_offload_state = _ExpertsState(self, offl, num or 0)
             elif locals_ and isinstance(mod, nn.Embedding):
                 self._hook_embedding(mod, locals_)
@@ -254,7 +257,7 @@ class Runtime:
             self.counter.add(rows.numel() * row_bytes)
             if self.backend == "uva":
                 return None
-            m._parameters["weight"] = nn.Parameter(self.stage_rows(host_ref[0], rows), requires_grad=False)
+            m._parameters["weight"] = nn.Parameter(self.stage_rows(host_ref[0], rows, key="embedding"), requires_grad=False)
             # padding_idx indexes the full table (it only masks gradients): F.embedding rejects it when it is
             # beyond the staged rows, so it is lifted while the staged table is in place.
             padding_ref[0], m.padding_idx = m.padding_idx, None
