@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import moe_offload as mo
-from moe_offload import bench
+from moe_offload import bench, plots, report
 from moe_offload.cli import main
 from moe_offload.planner import GiB, matches_selector
 from moe_offload.tiny import make_tiny
@@ -154,7 +154,7 @@ def test_same_prompt_is_labelled(model_dir, capsys):
     out = bench.run_bench(model_dir, arms="sparse-first", concurrency=[2], runs=1, max_new_tokens=2,
                           offload_gb=BUDGET_GB, device="cpu", same_prompt=True, prompts=["only one prompt"])
     assert out[0]["same_prompt"] is True and out[0]["prompts"] == ["only one prompt"] * 2
-    bench.print_table(out)
+    report.print_table(out)
     assert "SAME prompt" in capsys.readouterr().out
 
 
@@ -192,7 +192,7 @@ def test_prefetch_backend_counts_staging_on_the_device(model_dir):
 
 
 def test_plot_writes_a_png(rows, tmp_path):
-    path = bench.plot(rows, tmp_path / "bench.png")
+    path = plots.plot(rows, tmp_path / "bench.png")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     assert not list(tmp_path.glob(".*"))            # no temporary file left behind

@@ -153,8 +153,9 @@ def cmd_generate(args) -> int:
 def cmd_bench(args) -> int:
     from rich.console import Console
 
-    from .bench import (DEFAULT_ARMS, DEFAULT_CONCURRENCY, parse_arms, parse_concurrency, plot, print_table,
-                        read_prompts, run_bench)
+    from .bench import DEFAULT_ARMS, DEFAULT_CONCURRENCY, parse_arms, parse_concurrency, read_prompts, run_bench
+    from .plots import plot
+    from .report import print_table
 
     if args.policy is not None or args.offload_params:
         raise MoeOffloadError("bench compares policies through --arms, not --policy / --offload-params: "

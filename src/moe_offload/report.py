@@ -1,6 +1,8 @@
-"""Human output: rich tables for plans (and, later, loads and benchmarks). GiB appear only here."""
+"""Human output: rich tables for plans and benchmark rows. GiB appear only here and in plots."""
 
 from __future__ import annotations
+
+from typing import Sequence
 
 from rich.console import Console
 from rich.markup import escape
@@ -44,3 +46,62 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
         + ("" if routed else "   (dense model: no routed experts)"))
     for note in plan.notes:
         console.print(f"[yellow]note:[/yellow] {escape(note)}")  # notes are text, not markup: `[e, h]` must show
+
+
+# --- benchmark rows ----------------------------------------------------------------------------
+
+_SPEED = (("ITL p50 ms", lambda r: f"{r['itl_p50_ms']:.2f}"), ("ITL p90 ms", lambda r: f"{r['itl_p90_ms']:.2f}"),
+          ("tok/s 1/ITL", lambda r: f"{r['tok_s_itl']:.1f}"), ("tok/s wall", lambda r: f"{r['tok_s_wall']:.1f}"),
+          ("TTFT ms", lambda r: f"{r['ttft_ms']:.1f}"), ("spread", lambda r: f"{r['spread_pct']:.0f}%"))
+_BYTES = (("offloaded", lambda r: format_bytes(r["offloaded_bytes"])),
+          ("link/token", lambda r: format_bytes(r["link_bytes_per_token"])),
+          ("link ms/token", lambda r: f"{r['link_ms_per_token']:.3f}" if "link_ms_per_token" in r else ""),
+          ("host", lambda r: format_bytes(r["host_bytes"])), ("device", lambda r: format_bytes(r["device_bytes"])))
+
+
+def _table(rows: Sequence[dict], columns, title: str | None = None, caption: str | None = None):
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
+    table.add_column("arm", no_wrap=True)
+    table.add_column("conc", justify="right")
+    for header, _ in columns:
+        table.add_column(header, justify="right", no_wrap=header in ("offloaded", "link/token", "host", "device"))
+    previous = None
+    for r in rows:
+        if previous is not None and r["arm"] != previous:
+            table.add_section()
+        previous = r["arm"]
+        table.add_row(r["arm"], str(r["concurrency"]), *(cell(r) for _, cell in columns))
+    return table
+
+
+def print_table(rows: Sequence[dict], console=None) -> None:
+    """One table on a wide console; on a narrow one, speed and bytes as two tables."""
+    from rich.console import Console
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=160)  # a file or pipe: no terminal width to respect, keep rows on one line
+    if not rows:
+        console.print("no arm ran (see the reasons above)")
+        return
+    first = rows[0]
+    prompts = ("the SAME prompt for every sequence (--same-prompt): batched sequences route alike, so link "
+               "figures are lower than real traffic" if first["same_prompt"] else "a distinct prompt per sequence")
+    title = (f"{first['model']}: {first['budget']}, {first['settings']['backend']} on {first['settings']['device']}; "
+             f"{first['runs']} measured runs after 1 warm-up, {first['max_new_tokens']} new tokens each")
+    byte_cols = [c for c in _BYTES if c[0] != "link ms/token" or any("link_ms_per_token" in r for r in rows)]
+    if console.width >= 150:
+        console.print(_table(rows, [*_SPEED, *byte_cols], title, f"prompts: {prompts}"))
+    else:
+        console.print(_table(rows, _SPEED, title))
+        # host bytes (the arena, alignment included) is in the JSON; offloaded says the same to a few bytes
+        console.print(_table(rows, [c for c in byte_cols if c[0] != "host"], caption=f"prompts: {prompts}"))
+    for mech in dict.fromkeys(r["mechanism"] for r in rows):
+        console.print(f"mechanism: {mech}", highlight=False)
+    if all(r["settings"]["device"] == "cpu" for r in rows):
+        from .bench import CPU_NOTE
+
+        console.print(f"[yellow]note:[/yellow] {CPU_NOTE}", highlight=False)
