@@ -412,3 +412,20 @@ def test_move_buffers_leaves_placed_buffers_in_their_tier():
     model.register_buffer("computed", torch.ones(2), persistent=False)
     _move_buffers(model, torch.device("meta"), {"placed"})
     assert model.placed.device.type == "cpu" and model.computed.device.type == "meta"
+
+
+def test_plan_with_a_disk_tier_is_refused(models):
+    import dataclasses
+
+    plan = mo.plan(models["qwen3_moe"])
+    first = dataclasses.replace(plan.tensors[0], tier="disk")
+    with pytest.raises(MoeOffloadError, match="disk tier is not implemented"):
+        mo.load(models["qwen3_moe"], plan=dataclasses.replace(plan, tensors=(first, *plan.tensors[1:])))
+
+
+def test_plan_of_another_format_is_refused(models, tmp_path):
+    data = json.loads(mo.plan(models["qwen3_moe"]).to_json())
+    data["format"] = 99
+    (tmp_path / "p.json").write_text(json.dumps(data))
+    with pytest.raises(MoeOffloadError, match="format 99"):
+        mo.load(models["qwen3_moe"], plan=tmp_path / "p.json")

@@ -94,6 +94,10 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     elif budget:
         raise SelectorError("give either a plan or budget options, not both")
     _check_plan_matches(plan, inv, folder)
+    on_disk = [t.name for t in plan.tensors if t.tier == Tier.DISK]
+    if on_disk:
+        raise MoeOffloadError(f"the plan puts {len(on_disk)} tensor(s) on disk (first: {on_disk[:2]}); the disk "
+                              "tier is not implemented yet: plan with host and device tiers only")
 
     by_name = {t.name: t for t in plan.tensors}
     targets, arena = _allocate(model, plan, dev, want_uva=(backend == "uva"))

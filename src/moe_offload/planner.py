@@ -162,11 +162,13 @@ class Plan:
 
         try:
             data = json.loads(text)
+            if data.get("format") != PLAN_FORMAT:
+                raise ValueError(f"plan format {data.get('format')!r}, this moe-offload reads format {PLAN_FORMAT}")
             tensors = tuple(PlannedTensor(**{**t, "shape": tuple(t["shape"]), "tier": Tier(t["tier"]).value})
                             for t in data["tensors"])
             return cls(tensors, data["model_type"], data["policy"], int(data["budget_bytes"]), int(data["batch"]),
                        tuple(data.get("offload_params", ())), tuple(data.get("notes", ())))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise MoeOffloadError(f"not a moe-offload plan ({type(exc).__name__}: {exc}); save one with "
                                   "`moe-offload plan --save PLAN.json`") from exc
 
