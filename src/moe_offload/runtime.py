@@ -105,12 +105,15 @@ class _ExpertsState:
 
     def run(self, module, hidden_states, top_k_index, top_k_weights):
         # top_k_index: [T, k] expert ids; the selected experts are the only ones read.
-        selected = torch.unique(top_k_index)                     # [U], ascending
         per_expert = sum(t[0].numel() * t.element_size() for t in self.offloaded.values())
-        self.runtime.counter.add(per_expert * selected.numel())
         if self.runtime.backend == "uva":
-            # In place: the eager forward indexes each selected expert of the host view.
+            # In place: the eager forward indexes each selected expert of the host view. Counting the
+            # distinct experts needs their number on the host, so it waits for the end of the forward
+            # call: one synchronisation per step instead of one per layer.
+            self.runtime.routes.append((top_k_index.detach(), per_expert))
             return _original_forward(module)(module, hidden_states, top_k_index, top_k_weights)
+        selected = torch.unique(top_k_index)                     # [U], ascending
+        self.runtime.counter.add(per_expert * selected.numel())
         # prefetch: stage the U selected experts into reused buffers, renumber them 0..U-1. The eager
         # loop then visits them in the same ascending order, so the arithmetic is bit-identical.
         local = torch.searchsorted(selected, top_k_index)       # [T, k]
@@ -141,6 +144,7 @@ class Runtime:
         self.host_tensors = dict(host_tensors or {})
         self.plan = plan                     # the plan applied, for audits after transforms
         self.counter = LinkCounter()
+        self.routes: list[tuple[torch.Tensor, int]] = []  # uva: (top_k_index, bytes per expert), counted per call
         self._handles: list = []
         self._staging: dict[tuple, torch.Tensor] = {}
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -245,6 +249,9 @@ class Runtime:
         self._decode = bool(length()) if callable(length) else None
 
     def _top_post(self, module, args, kwargs, output):
+        for top_k_index, per_expert in self.routes:
+            self.counter.add(per_expert * torch.unique(top_k_index).numel())
+        self.routes.clear()
         self.counter.end_call(getattr(self, "_tokens", 1), getattr(self, "_decode", None))
 
     def _hook_embedding(self, mod: nn.Embedding, locals_: list[str]) -> None:
