@@ -250,3 +250,14 @@ def test_installed_console_script(tmp_path):
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     check_document(json.loads(proc.stdout))
+
+
+def test_tensors_flag_lists_every_tensor_with_its_tier(capsys, model_dir, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    # Budget = the embedding + all experts (65,536 B): exactly those go to the host.
+    rc, out, err = run(capsys, "plan", model_dir, "--offload-gb", (EMBED + EXPERTS) / 2**30, "--tensors")
+    assert rc == 0
+    rows = {line.split("│")[1].strip(): line.split("│")[-2].strip() for line in out.splitlines()
+            if line.startswith("│ model.") or line.startswith("│ lm_head.weight")}
+    assert len(rows) == len(json.loads(run(capsys, "plan", model_dir, "--json")[1])["tensors"])
+    assert {n for n, tier in rows.items() if tier == "host"} == {"model.embed_tokens.weight", *EXPERT_NAMES}

@@ -64,6 +64,12 @@ def cmd_plan(args) -> int:
     if args.json:
         print(p.to_json())
     else:
+        if args.tensors:
+            from rich.console import Console
+
+            from .report import tensors_table
+
+            Console().print(tensors_table(p))
         print_plan(p)
         if args.save:
             print(f"plan saved to {args.save}")
@@ -222,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     _budget_options(p)
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together, for link bytes (default 1)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON document")
+    p.add_argument("--tensors", action="store_true", help="also list every tensor with its role, density and tier")
     p.add_argument("--save", metavar="PLAN.json", help="save the plan (load it with `moe_offload.load(plan=...)`)")
     p.set_defaults(func=cmd_plan)
 

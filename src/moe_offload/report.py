@@ -32,6 +32,19 @@ def plan_table(plan: Plan) -> Table:
     return table
 
 
+def tensors_table(plan: Plan) -> Table:
+    """Every tensor with its role, size, access density at the plan's batch and tier, in declaration order."""
+    table = Table(title=f"{len(plan.tensors)} tensors, declaration order", title_justify="left")
+    for header in ("name", "role", "shape", "dtype", "bytes", "density", "tier"):
+        table.add_column(header, justify="right" if header in ("bytes", "density") else "left",
+                         no_wrap=header == "name")
+    for t in plan.tensors:
+        style = "cyan" if t.tier != "device" else None
+        table.add_row(escape(t.name), t.role, "x".join(map(str, t.shape)), t.dtype, format_bytes(t.bytes),
+                      f"{t.density(plan.batch):.4g}", t.tier, style=style)
+    return table
+
+
 def print_plan(plan: Plan, console: Console | None = None) -> None:
     console = console or Console()
     console.print(plan_table(plan))
