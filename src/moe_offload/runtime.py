@@ -314,10 +314,13 @@ class _DensePrefetcher:
         self.last: int | None = None
         self.slot = 0
         self.names: dict[int, str] = {}
+        self.slot_bytes = 0                     # bytes of one ring slot: the largest group's aligned tensors
         self.outer: set[int] | None = None      # modules that contain other staged modules (see pre)
 
     def add(self, mod: nn.Module, locals_: list[str], nbytes: int, name: str = "") -> None:
         self.modules[id(mod)] = (mod, locals_, nbytes)
+        aligned = sum(-(-_get(mod, n).numel() * _get(mod, n).element_size() // 16) * 16 for n in locals_)
+        self.slot_bytes = max(self.slot_bytes, aligned)
         self.names[id(mod)] = name
         self.rt._handles.append(mod.register_forward_pre_hook(self.pre))
         self.rt._handles.append(mod.register_forward_hook(self.post))
@@ -326,8 +329,10 @@ class _DensePrefetcher:
         hosts = [mod._moe_offload_host[n] for n in locals_]
         sizes = [-(-h.numel() * h.element_size() // 16) * 16 for h in hosts]
         buf = self.ring[slot]
-        if buf is None or buf.numel() < sum(sizes):
-            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.rt.device)
+        if buf is None:
+            # Sized once for the largest group: a slot is never reallocated, so a copy on the side stream can
+            # never land in memory the allocator handed out again.
+            buf = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.rt.device)
             self.ring[slot] = buf
         views, off = [], 0
         for h, size in zip(hosts, sizes):

@@ -176,7 +176,7 @@ def _pin(slab: Slab, device: torch.device) -> None:
     # Registered under the target device, so the driver maps it for that device (multi-GPU machines).
     # cudaHostRegisterPortable (1) | cudaHostRegisterMapped (2): usable from every device, mapped for UVA.
     with torch.cuda.device(device):
-        err = int(cudart.cudaHostRegister(slab.host.data_ptr(), slab.nbytes, 3))
+        err = _code(cudart.cudaHostRegister(slab.host.data_ptr(), slab.nbytes, 3))
     if err != 0:
         name = getattr(cudart, "cudaGetErrorString", lambda e: f"error {e}")(err)
         raise DeviceError(f"cudaHostRegister of {slab.nbytes} bytes failed ({name}): pinning host memory for "
@@ -185,8 +185,13 @@ def _pin(slab: Slab, device: torch.device) -> None:
     slab.registered = True
 
 
+def _code(result) -> int:
+    """cudart bindings return a cudaError (an int-like enum), or a tuple led by one in some builds."""
+    return int(result[0] if isinstance(result, tuple) else result)
+
+
 def _unpin(slab: Slab) -> None:
-    err = int(torch.cuda.cudart().cudaHostUnregister(slab.host.data_ptr()))
+    err = _code(torch.cuda.cudart().cudaHostUnregister(slab.host.data_ptr()))
     slab.registered = err != 0  # on failure the pages stay pinned; the slab keeps saying so
 
 
