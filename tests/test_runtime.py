@@ -325,3 +325,81 @@ def test_rows_of_two_tensors_staged_for_one_forward_do_not_share_a_buffer():
     assert sa.data_ptr() != sb.data_ptr()
     # The next layer reuses the same buffers.
     assert rt.stage_rows(a, rows, key="gate_up_proj_bias").data_ptr() == sa.data_ptr()
+
+
+# --- the prefetch ring: stream ordering (with a stand-in for CUDA streams) and fresh copies --------------------
+
+
+def _attention_offloaded(models, backend):
+    folder = models["qwen3_moe"]
+    p = mo.plan(folder)
+    attn = sum(t.bytes for t in p.tensors if ".self_attn." in t.name)
+    return mo.load(folder, device="cpu", backend=backend, offload_gb=attn / GiB, offload_params=["self_attn"])
+
+
+class _FakeEvent:
+    recorded = 0
+
+    def record(self, stream=None):
+        _FakeEvent.recorded += 1
+
+
+class _FakeStream:
+    def __init__(self, log):
+        self.log = log
+
+    def wait_event(self, event):
+        assert event is not None, "waited on an event nobody recorded"
+        self.log.append("wait")
+
+
+def test_prefetch_ring_stream_ordering_with_two_layers(models, monkeypatch):
+    """Two dense groups (the attention of layers 0 and 1): each call waits only on events that were recorded,
+    and every forward after the first uses the side-stream prefetch."""
+    import contextlib
+
+    model, plan = _attention_offloaded(models, "prefetch")
+    runtime = model.moe_offload_runtime
+    log = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _FakeStream(log), raising=False)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent, raising=False)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext(), raising=False)
+    runtime._stream = _FakeStream(log)
+    ids = prompt_ids(models["qwen3_moe"])
+    with torch.no_grad():
+        ref = model(ids).logits
+        for _ in range(3):
+            assert torch.equal(model(ids).logits, ref)
+    assert "wait" in log
+
+
+def test_prefetch_sees_weight_updates(models):
+    """A weight written in place between two calls is what the next call reads (no stale staged copy)."""
+    ids = prompt_ids(models["qwen3_moe"])
+    outs = {}
+    for backend in BACKENDS:
+        model, plan = _attention_offloaded(models, backend)
+        name = "model.layers.0.self_attn.q_proj.weight"
+        assert plan.tiers[name] == "host"
+        with torch.no_grad():
+            before = model(ids).logits
+            mo.update_weights(model, {name: torch.zeros_like(model.get_parameter(name))})
+            outs[backend] = model(ids).logits
+        assert not torch.equal(outs[backend], before)
+    assert torch.equal(outs["uva"], outs["prefetch"])
+
+
+def test_prefetch_keeps_a_transform_that_changes_size(models):
+    """A transform that changes a host tensor's size gets a new slab; prefetch then stages the new tensor."""
+    model, plan = _attention_offloaded(models, "prefetch")
+    name = "model.layers.0.self_attn.q_norm.weight"
+    assert plan.tiers[name] == "host"  # attention's norms are under self_attn: selected and offloaded
+    ids = prompt_ids(models["qwen3_moe"])
+    with torch.no_grad():
+        model(ids)  # the runtime has staged (and referenced) the old tensor once
+    mo.transform_weights(model, lambda n, w: w.to(torch.float16).zero_(), names=[name])
+    with torch.no_grad():
+        model(ids)
+    live = model.get_parameter(name)
+    assert live.dtype == torch.float16 and not live.any()
+    assert model.moe_offload_runtime.arena.owns(live)

@@ -54,6 +54,9 @@ class LinkCounter:
         self.decode.clear()
         self._pending = 0
 
+    def discard_pending(self) -> None:
+        self._pending = 0
+
     def decode_bytes_per_token(self, batch: int = 1) -> float:
         """Mean bytes per decoded token over decode steps (one new token per sequence, on a non-empty
         cache: a one-token prompt's prefill is not a decode step), prefill excluded."""
@@ -231,14 +234,26 @@ class Runtime:
         self._experts_modules = experts_modules
 
     def detach(self) -> None:
+        """Remove every hook and cached reference to the weights; attach() builds them afresh."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
         for mod in getattr(self, "_experts_modules", []):
             mod.__dict__.pop("_moe_offload_state", None)
+        dense = self.__dict__.pop("_dense", None)
+        if dense is not None:
+            dense.release()
+        self.routes.clear()
+
+    def invalidate_staging(self) -> None:
+        """Weights were written in place (update_weights): prefetched copies of them are stale."""
+        if getattr(self, "_dense", None) is not None:
+            self._dense.invalidate()
 
     # --- hooks ---------------------------------------------------------------------------
     def _top_pre(self, module, args, kwargs):
+        self.routes.clear()  # a call that raised leaves nothing behind for the next one
+        self.counter.discard_pending()
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs.get("inputs_embeds")
@@ -366,11 +381,12 @@ class _DensePrefetcher:
         self.last = id(mod)
         stream = self.rt._stream
         staged = self.staged[self.slot]
-        if staged is not None and staged[0] == id(mod):
+        if staged is not None and staged[0] == id(mod):       # prefetched on the side stream for this call
             views = staged[1]
-            if stream is not None:
+            torch.cuda.current_stream(self.rt.device).wait_event(self.ready[self.slot])
+        else:                                                  # copied in line, on the compute stream
+            if self.ready[self.slot] is not None:              # after any side-stream copy still landing there
                 torch.cuda.current_stream(self.rt.device).wait_event(self.ready[self.slot])
-        else:
             views = self._copy_into(self.slot, mod, locals_)
         for n, v in zip(locals_, views):
             set_tensor(mod, n, v)
@@ -402,8 +418,22 @@ class _DensePrefetcher:
         if self.rt._stream is not None:
             self.free[self.slot] = torch.cuda.Event()
             self.free[self.slot].record(torch.cuda.current_stream(self.rt.device))
+        # A slot's copy serves one call only: the next call copies again (what the link really carries,
+        # and never stale after a weight update).
+        self.staged[self.slot] = None
+        self.ready[self.slot] = None
         # The next module runs from the other slot (where its prefetch went, if any).
         self.slot = 1 - self.slot
+
+    def invalidate(self) -> None:
+        """Forget prefetched copies (weights changed under them); the next call copies in line."""
+        self.staged = [None, None]
+        self.ready = [None, None]
+
+    def release(self) -> None:
+        """Drop the cached host tensors of every module (detach: weights may be re-registered)."""
+        for mod, _, _ in self.modules.values():
+            mod.__dict__.pop("_moe_offload_host", None)
 
 
 def _get(mod: nn.Module, path: str) -> torch.Tensor:

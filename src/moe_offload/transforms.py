@@ -46,7 +46,8 @@ def _rehost(runtime, name: str, new: torch.Tensor) -> torch.Tensor:
         raw = host.reshape(-1).view(torch.uint8)
         raw.copy_(new.reshape(-1).view(torch.uint8))
         host_new = raw.view(new.dtype).view(new.shape)
-        visible = runtime.model.get_parameter(name) if name in dict(runtime.model.named_parameters()) else host
+        live = {**dict(runtime.model.named_parameters()), **dict(runtime.model.named_buffers())}
+        visible = live.get(name, host)
         if visible.data_ptr() != host.data_ptr() or visible.device != host.device:  # a uva view: rebuild it
             visible = visible.reshape(-1).view(torch.uint8).view(new.dtype).view(new.shape)
         else:
@@ -102,6 +103,7 @@ def update_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> Non
                                   f"{list(target.shape)}; apply the same transforms to the update first")
         with torch.no_grad():
             target.copy_(value)  # host bytes written on the host, resident ones on the device
+    runtime.invalidate_staging()
     _check(model, runtime)
 
 
