@@ -429,3 +429,9 @@ def test_plan_of_another_format_is_refused(models, tmp_path):
     (tmp_path / "p.json").write_text(json.dumps(data))
     with pytest.raises(MoeOffloadError, match="format 99"):
         mo.load(models["qwen3_moe"], plan=tmp_path / "p.json")
+
+
+def test_plan_with_unset_budget_options_is_accepted(models, plans0):
+    # Callers forwarding their own options pass None for the ones they did not set.
+    model, plan = mo.load(models["qwen3_moe"], plan=plans0("qwen3_moe"), offload_gb=None, device_memory_gb=None)
+    assert plan == plans0("qwen3_moe")

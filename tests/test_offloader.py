@@ -177,3 +177,13 @@ def _plan_with(tiers):
     tensors = tuple(PlannedTensor(n, (1,), "float32", 4, None, "language", "other", False, None, None, t, "test")
                     for n, t in tiers.items())
     return Plan(tensors, "toy", "sparse-first", 0)
+
+
+def test_an_offloader_without_budget_or_plan_is_refused():
+    with pytest.raises(BudgetError, match="neither a plan nor offload_gb"):
+        Offloader()
+
+
+def test_a_plan_with_a_disk_tier_is_refused():
+    with pytest.raises(MoeOffloadError, match="disk tier is not implemented"):
+        Offloader(plan=_plan_with({"0.mlp.experts.down_proj": "disk"}))

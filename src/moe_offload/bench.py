@@ -369,6 +369,12 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str = DEFAULT_ARMS,
     if not same_prompt and len(prompts) < max(levels):
         raise MoeOffloadError(f"{len(prompts)} prompt(s) for concurrency {max(levels)}: each concurrent sequence "
                               "needs its own prompt; give more prompts or --same-prompt")
+    used = prompts[:max(levels)]
+    if not same_prompt and len(set(used)) < len(used):
+        repeated = next(p for p in used if used.count(p) > 1)
+        raise MoeOffloadError(f"the first {len(used)} prompts repeat {repeated[:40]!r}: sequences with the same "
+                              "prompt route alike and flatter link traffic; give distinct lines, or --same-prompt "
+                              "to measure that case on purpose")
     folder = Path(model_dir)
     if not folder.is_dir():
         raise MoeOffloadError(f"{folder} is not a model folder: bench needs config.json, safetensors and a tokenizer")

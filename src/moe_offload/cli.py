@@ -183,15 +183,22 @@ def cmd_bench(args) -> int:
                      progress=sys.stderr.isatty())
     to_stdout = args.json == "-"
     print_table(rows, Console(stderr=True) if to_stdout else None)  # stdout holds only the JSON with --json -
+    # Both outputs or neither: the plot (the one that can fail on content) first, then the JSON.
+    if args.plot:
+        plot(rows, args.plot)
     if args.json:
         text = json.dumps(rows, indent=1)
         if to_stdout:
             print(text)
         else:
-            _write_atomic(Path(args.json), text + "\n")
+            try:
+                _write_atomic(Path(args.json), text + "\n")
+            except MoeOffloadError:
+                if args.plot:
+                    Path(args.plot).unlink(missing_ok=True)
+                raise
             print(f"wrote {args.json}", file=sys.stderr)
     if args.plot:
-        plot(rows, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 

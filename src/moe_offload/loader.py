@@ -91,7 +91,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
         plan = Plan.from_json(Path(plan).read_text())
     if plan is None:
         plan = make_plan(inv, **budget)
-    elif budget:
+    elif any(v is not None for v in budget.values()):
         raise SelectorError("give either a plan or budget options, not both")
     _check_plan_matches(plan, inv, folder)
     on_disk = [t.name for t in plan.tensors if t.tier == Tier.DISK]
@@ -100,8 +100,9 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
                               "tier is not implemented yet: plan with host and device tiers only")
 
     by_name = {t.name: t for t in plan.tensors}
-    targets, arena = _allocate(model, plan, dev, want_uva=(backend == "uva"))
+    arena = HostArena(dev, want_uva=(backend == "uva"))
     try:
+        targets = _allocate(model, plan, dev, arena)
         _stream_checkpoint(folder, model, targets, by_name, progress)
         for name, (host_t, visible) in targets.items():
             set_tensor(model, name, visible, is_buffer=by_name[name].is_buffer)
@@ -139,9 +140,8 @@ def _check_plan_matches(plan: Plan, inv, folder: Path) -> None:
                                   "again (with the same --dtype)")
 
 
-def _allocate(model: nn.Module, plan: Plan, dev: torch.device, *, want_uva: bool):
+def _allocate(model: nn.Module, plan: Plan, dev: torch.device, arena: HostArena):
     """name -> (host tensor or device tensor, tensor the model holds); host tensors in per-layer slabs."""
-    arena = HostArena(dev, want_uva)
     meta = {**dict(model.named_parameters()), **{n: b for n, b in model.named_buffers()}}
     targets: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     regions: dict[str, list] = defaultdict(list)
@@ -162,7 +162,7 @@ def _allocate(model: nn.Module, plan: Plan, dev: torch.device, *, want_uva: bool
         m = meta[name]
         if m.device.type != "meta" and arena.owns(host):
             host.copy_(m)
-    return targets, arena
+    return targets
 
 
 def _stream_checkpoint(folder: Path, model: nn.Module, targets, by_name, progress: bool) -> None:

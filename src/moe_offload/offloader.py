@@ -40,6 +40,13 @@ class Offloader:
                  backend: str | None = None):
         if plan is not None and (offload_gb is not None or offload_params):
             raise MoeOffloadError("give the Offloader either a plan or budget options, not both")
+        if plan is None and offload_gb is None:
+            raise BudgetError("the Offloader has neither a plan nor offload_gb, so it would offload nothing: give "
+                              "offload_gb=X (GiB) or plan=moe_offload.plan(...)")
+        on_disk = [t.name for t in plan.tensors if t.tier == Tier.DISK] if plan is not None else []
+        if on_disk:
+            raise MoeOffloadError(f"the plan puts {len(on_disk)} tensor(s) on disk (first: {on_disk[:2]}); the "
+                                  "disk tier is not implemented yet: plan with host and device tiers only")
         if offload_gb is not None and (not math.isfinite(offload_gb) or offload_gb < 0):
             raise BudgetError(f"offload_gb {offload_gb} is not a size: give a non-negative number of GiB")
         if policy not in (Policy.SPARSE_FIRST.value, Policy.DECLARATION.value):

@@ -379,7 +379,6 @@ class _DensePrefetcher:
         if self.last is not None and id(mod) not in self.order.get(self.last, ()):
             self.order[self.last] = (id(mod),)
         self.last = id(mod)
-        stream = self.rt._stream
         staged = self.staged[self.slot]
         if staged is not None and staged[0] == id(mod):       # prefetched on the side stream for this call
             views = staged[1]
