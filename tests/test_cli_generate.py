@@ -91,3 +91,20 @@ def test_make_tiny_cli(capsys, tmp_path):
     code, out, err = _run(capsys, "make-tiny", tmp_path / "t", "--family", "mixtral")
     assert code == 2 and err.startswith("error:")  # non-empty folder refused, left as it was
     assert (tmp_path / "t" / "config.json").is_file()
+
+
+def test_generate_stops_at_eos_unless_ignore_eos(capsys, model_dir, tmp_path):
+    code, out, _ = _run(capsys, "generate", model_dir, "--prompt", "The river", "--max-new-tokens", 6,
+                        "--ignore-eos", "--json")
+    tokens = json.loads(out)["token_ids"]
+    # A copy of the model whose EOS is the third token it generates greedily.
+    copy = tmp_path / "eos"
+    shutil.copytree(model_dir, copy)
+    gen = json.loads((copy / "generation_config.json").read_text())
+    gen["eos_token_id"] = tokens[2]
+    (copy / "generation_config.json").write_text(json.dumps(gen))
+    code, out, _ = _run(capsys, "generate", copy, "--prompt", "The river", "--max-new-tokens", 6, "--json")
+    assert json.loads(out)["token_ids"] == tokens[:3]
+    code, out, _ = _run(capsys, "generate", copy, "--prompt", "The river", "--max-new-tokens", 6, "--ignore-eos",
+                        "--json")
+    assert json.loads(out)["token_ids"] == tokens

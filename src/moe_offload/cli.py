@@ -123,7 +123,9 @@ def cmd_generate(args) -> int:
         raise MoeOffloadError("the prompt encodes to no tokens: give a non-empty --prompt")
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     if args.ignore_eos:
-        kwargs["min_new_tokens"] = args.max_new_tokens
+        # No EOS token at all for this call: decoding runs on past it with the same greedy choices
+        # (min_new_tokens would instead forbid the EOS token and so change the text).
+        kwargs["eos_token_id"] = []
     runtime.counter.reset()
     start = time.perf_counter()
     with torch.no_grad():
