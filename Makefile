@@ -25,6 +25,7 @@ demo: setup
 
 bench: setup
 	$(BIN)/python benchmarks/plan_scale.py
+	$(BIN)/python benchmarks/policy_compare.py
 
 clean:
 	rm -rf $(VENV) build demo-out

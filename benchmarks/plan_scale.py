@@ -31,26 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-# moonshotai/Kimi-K2-Instruct config.json (published hyper-parameters; MTP layers: 0).
-KIMI_K2 = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
-                 "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
-    "model_type": "kimi_k2",
-    "vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-    "num_hidden_layers": 61, "num_nextn_predict_layers": 0, "num_attention_heads": 64, "num_key_value_heads": 64,
-    "n_shared_experts": 1, "n_routed_experts": 384, "routed_scaling_factor": 2.827, "num_experts_per_tok": 8,
-    "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc",
-    "scoring_func": "sigmoid", "norm_topk_prob": True,
-    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
-    "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 50000.0,
-    "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
-                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-    "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "bos_token_id": 163584, "eos_token_id": 163585,
-    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                            "weight_block_size": [128, 128]},
-}
+from moe_offload.published import KIMI_K2
+
 
 # (label, budget keywords for moe_offload.plan)
 CASES = [

@@ -19,40 +19,14 @@ import moe_offload as mo
 from moe_offload.errors import CheckpointError, ConfigError
 from moe_offload.inventory import build_meta_model, from_config, inventory, layer_of, read_config
 from moe_offload.layouts import map_keys
+from moe_offload.published import DEEPSEEK_V3, GPT_OSS_120B, MIXTRAL_8X7B, QWEN3_30B_A3B
 from moe_offload.roles import Role, assign
 
 from conftest import TINY, tiny_config_dict
 
 B = 10**9
 
-# ---------------------------------------------------------------------------------------
-# Full-size configs (hyper-parameters from each model's published config.json)
-
-GPT_OSS_120B = dict(
-    model_type="gpt_oss", architectures=["GptOssForCausalLM"], hidden_size=2880, intermediate_size=2880,
-    num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=128,
-    num_experts_per_tok=4, vocab_size=201088, tie_word_embeddings=False, sliding_window=128,
-    max_position_embeddings=131072, layer_types=["sliding_attention", "full_attention"] * 18, dtype="bfloat16",
-    quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]})
-MIXTRAL_8X7B = dict(
-    model_type="mixtral", architectures=["MixtralForCausalLM"], hidden_size=4096, intermediate_size=14336,
-    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
-    vocab_size=32000, max_position_embeddings=32768, tie_word_embeddings=False, dtype="bfloat16")
-QWEN3_30B_A3B = dict(
-    model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, intermediate_size=6144,
-    moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-    num_experts=128, num_experts_per_tok=8, vocab_size=151936, max_position_embeddings=40960,
-    tie_word_embeddings=False, dtype="bfloat16")
-DEEPSEEK_V3 = dict(
-    model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_size=7168, intermediate_size=18432,
-    moe_intermediate_size=2048, num_hidden_layers=61, first_k_dense_replace=3, num_attention_heads=128,
-    num_key_value_heads=128, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8,
-    topk_group=4, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-    vocab_size=129280, max_position_embeddings=163840, tie_word_embeddings=False, dtype="bfloat16",
-    num_nextn_predict_layers=1,
-    quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                         "weight_block_size": [128, 128]})
+# Full-size configs: moe_offload.published holds each model's published hyper-parameters.
 
 
 def _params(plan, role):

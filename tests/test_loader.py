@@ -144,11 +144,12 @@ def test_budget_is_met_with_overshoot_below_last_tensor(models, plans0):
     assert plan.budget_bytes == 20000
     assert [t.name for t in plan.tensors if t.tier == "host"] == ["model.embed_tokens.weight"]
     assert model.moe_offload_runtime.arena.nbytes == 512 * 32 * 4
-    # 65536 + 1 bytes: the embedding and the first routed-expert tensor (layer 0 gate_up_proj, 73728 B).
+    # 65536 + 1 bytes: the embedding and the smallest routed-expert tensor that covers the last byte
+    # (layer 0 down_proj, 6 x 32 x 48 x 4 = 36864 B, rather than gate_up_proj's 73728 B).
     model, plan = load(models["qwen3_moe"], offload_gb=65537 / GiB)
     assert [t.name for t in plan.tensors if t.tier == "host"] == [
-        "model.embed_tokens.weight", "model.layers.0.mlp.experts.gate_up_proj"]
-    assert plan.offloaded_bytes == 65536 + 6 * 96 * 32 * 4
+        "model.embed_tokens.weight", "model.layers.0.mlp.experts.down_proj"]
+    assert plan.offloaded_bytes == 65536 + 6 * 32 * 48 * 4
     assert plan0.total_bytes > plan.offloaded_bytes
 
 

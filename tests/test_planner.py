@@ -138,9 +138,10 @@ def test_vision_tower_declared_first_stays_resident_below_the_experts(prefix):
     assert {component_of(n) for n, _ in tower} == {"vision"}
 
     p = plan(inv, offload_gb=gb(1000))
-    # gate_up_proj of layer 0 (512 B), down_proj (256 B), gate_up_proj of layer 1 (512 B): 1280 >= 1000
+    # gate_up_proj of layer 0 (512 B), down_proj (256 B), then 232 B are left: the smallest expert tensor
+    # covering them is layer 1's down_proj (256 B): 1024 >= 1000
     assert host(p) == ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
-                       "model.layers.1.mlp.experts.gate_up_proj"]
+                       "model.layers.1.mlp.experts.down_proj"]
     assert all(t.tier == "device" for t in p.tensors if t.component == "vision")
     assert "the vision tower (1.08 KiB) stays resident: the budget was met before its turn" in p.notes
     assert not any(n.startswith("dense tensors offloaded") for n in p.notes)
@@ -164,8 +165,10 @@ def test_untied_input_embedding_goes_before_experts():
     assert host(p) == ["model.embed_tokens.weight"]
     assert p.tensors[0].role == "embedding"
 
-    p = plan(inv, offload_gb=gb(257))   # then the first expert tensor
-    assert host(p) == ["model.embed_tokens.weight", "model.layers.0.mlp.experts.gate_up_proj"]
+    # One byte more: an expert tensor must go too, and the smallest that covers that byte is the cheapest
+    # (every expert tensor has density 1/2): down_proj (256 B), not gate_up_proj (512 B).
+    p = plan(inv, offload_gb=gb(257))
+    assert host(p) == ["model.embed_tokens.weight", "model.layers.0.mlp.experts.down_proj"]
 
 
 def test_tied_embedding_is_the_lm_head_and_waits_for_the_experts():
@@ -175,7 +178,7 @@ def test_tied_embedding_is_the_lm_head_and_waits_for_the_experts():
     assert "lm_head.weight" not in roles
 
     p = plan(inv, offload_gb=gb(256))
-    assert host(p) == ["model.layers.0.mlp.experts.gate_up_proj"]   # 512 B, the embedding stays
+    assert host(p) == ["model.layers.0.mlp.experts.down_proj"]   # 256 B covers it exactly; the table stays
     p = plan(inv, offload_gb=gb(768 + 1))   # experts, then dense in declaration order: the tied table first
     assert host(p) == ["model.embed_tokens.weight", *expert_names([0])]
 
@@ -319,15 +322,16 @@ def test_device_memory_offloads_the_least_that_fits():
     # room for 1348 B of weights: 1648 - 1348 = 300 B must go
     p = plan(full_model(), device_memory_gb=gb(1348 + reserve), reserve_gb=gb(reserve))
     assert p.budget_bytes == 300
-    # embedding 256 < 300, then gate_up_proj 512: resident 1648 - 768 = 880 <= 1348
-    assert host(p) == ["model.embed_tokens.weight", "model.layers.0.mlp.experts.gate_up_proj"]
-    assert p.resident_bytes == 880 <= 1348
+    # embedding 256 < 300, then 44 B more: the smallest expert tensor, down_proj 256 B (not gate_up_proj
+    # 512 B): resident 1648 - 512 = 1136 <= 1348
+    assert host(p) == ["model.embed_tokens.weight", "model.layers.0.mlp.experts.down_proj"]
+    assert p.resident_bytes == 1136 <= 1348
 
     p = plan(full_model(), device_memory_gb=gb(1392 + reserve), reserve_gb=gb(reserve))   # 256 B must go
     assert host(p) == ["model.embed_tokens.weight"] and p.resident_bytes == 1392
 
     p = plan(full_model(), device_memory_gb=gb(1391 + reserve), reserve_gb=gb(reserve))   # one byte less room
-    assert host(p) == ["model.embed_tokens.weight", "model.layers.0.mlp.experts.gate_up_proj"]
+    assert host(p) == ["model.embed_tokens.weight", "model.layers.0.mlp.experts.down_proj"]
 
 
 def test_device_memory_that_cannot_fit_even_with_everything_eligible_offloaded():
@@ -404,10 +408,16 @@ def test_overshoot_is_less_than_the_last_tensor_offloaded(policy):
     rng = random.Random(1234)
     for budget in [0, 1, 2767, 2768] + [rng.randrange(0, 2769) for _ in range(200)]:
         p = plan(inv, offload_gb=gb(budget), policy=policy)
-        expected, done = [], 0   # the shortest prefix of the order that reaches the budget
-        for name in ORDER[policy]:
-            if done >= budget:
-                break
+        # The shortest prefix of the order that reaches the budget, except that under sparse-first the
+        # expert tensor that reaches it is the smallest remaining expert tensor that does (all experts
+        # have one density, so the smallest costs least); the embedding and dense tensors keep the order.
+        expected, done, rest = [], 0, list(ORDER[policy])
+        while done < budget:
+            name = rest[0]
+            need = budget - done
+            if policy == "sparse-first" and ".experts." in name and size[name] >= need:
+                name = min((n for n in rest if ".experts." in n and size[n] >= need), key=lambda n: size[n])
+            rest.remove(name)
             expected.append(name)
             done += size[name]
         assert sorted(host(p)) == sorted(expected)
@@ -488,7 +498,9 @@ def test_plan_json_round_trip_and_views():
     assert back == p
     assert Plan.from_json(p.to_json(indent=1)) == p
     assert p.tiers == {t.name: t.tier for t in p.tensors}
-    assert p.tiers["model.layers.0.mlp.experts.gate_up_proj"] == Tier.HOST.value == "host"
+    # 300 B: the embedding (256 B), then the smallest expert tensor covering 44 B, down_proj (256 B)
+    assert p.tiers["model.layers.0.mlp.experts.down_proj"] == Tier.HOST.value == "host"
+    assert p.tiers["model.layers.0.mlp.experts.gate_up_proj"] == "device"
     assert p.tiers["lm_head.weight"] == "device"
     assert set(p.tiers.values()) <= {"device", "host", "disk"}
 
@@ -506,8 +518,9 @@ def test_roles_partition_the_model():
     assert all(t.role in roles for t in p.tensors)   # exactly one role per tensor, a known one
     assert sum(r["bytes"] for r in roles.values()) == p.total_bytes == 1664
     assert sum(r["params"] for r in roles.values()) == p.total_params == 824
-    assert sum(r["offloaded_bytes"] for r in roles.values()) == p.offloaded_bytes == 768
-    assert roles["routed_expert"] == {"params": 384, "bytes": 768, "offloaded_bytes": 512}
+    # 300 B: embedding 256 B + down_proj 256 B
+    assert sum(r["offloaded_bytes"] for r in roles.values()) == p.offloaded_bytes == 512
+    assert roles["routed_expert"] == {"params": 384, "bytes": 768, "offloaded_bytes": 256}
     assert roles["embedding"] == {"params": 128, "bytes": 256, "offloaded_bytes": 256}
     assert roles["lm_head"] == {"params": 128, "bytes": 256, "offloaded_bytes": 0}
     # router: gate.weight 32 params / 64 B + the buffer 0 params / 16 B

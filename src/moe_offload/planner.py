@@ -302,9 +302,18 @@ def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: f
     offloaded: set[int] = set()
     done = 0
     last = None
-    for i in order:
+    for pos, i in enumerate(order):
         if done >= target:
             break
+        need = target - done
+        if policy_ is Policy.SPARSE_FIRST and not dense(i) and records[i].bytes >= need:
+            # This routed-expert (or lookup) tensor would finish the budget. Every remaining tensor of its
+            # kind (same density) costs its bytes x that density per step, so the smallest one that alone
+            # covers what is left keeps the overshoot, and what it costs, down: Mixtral's down_proj rather
+            # than its twice-as-large gate_up_proj. Dense tensors keep strict declaration order.
+            kind = (density(i), dense(i))
+            i = min((j for j in order[pos:] if (density(j), dense(j)) == kind and records[j].bytes >= need),
+                    key=lambda j: records[j].bytes)
         offloaded.add(i)
         done += records[i].bytes
         last = i
