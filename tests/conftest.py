@@ -131,3 +131,29 @@ def _torch_on_one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# --- tiny model folders of every make_tiny family, shared by test_loader.py and test_runtime.py ------------
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    """family -> a tiny model folder (see fixtures_models.SIZES), made once per session."""
+    from fixtures_models import make_models
+
+    return make_models(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def plans0(models):
+    """family -> its zero-budget plan (byte sizes and roles only), computed once."""
+    import moe_offload as mo
+
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = mo.plan(models[family])
+        return cache[family]
+
+    return get

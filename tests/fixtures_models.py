@@ -113,18 +113,6 @@ def slice_bytes(planned) -> int:
 
 
 
-def one_thread():
-    """Generator for a module-scoped fixture: torch on one CPU thread while the module runs.
-
-    On a 2-core machine torch's OpenMP `index_add_` (the eager experts loop) takes ~0.1 s per call with
-    2 threads and microseconds with 1: without this a 6-token generation takes seconds.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 TIED_VOCAB = 96
 TIED_IDS = torch.tensor([[1, 5, 17, 33, 70, 90, 11, 42, 3, 64]])
 

@@ -17,8 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import moe_offload as mo
-from fixtures_models import (ARMS, BACKENDS, FAMILIES, TIED_IDS, TIED_VOCAB, budgets, make_models, make_tied,
-                             one_thread, prompt_ids, reference_model, run, tensor_bytes)
+from fixtures_models import (ARMS, BACKENDS, FAMILIES, TIED_IDS, TIED_VOCAB, budgets, make_tied,
+                             prompt_ids, reference_model, run, tensor_bytes)
 from moe_offload.errors import (BudgetError, CheckpointError, ConfigError, DeviceError, MoeOffloadError,
                                 SelectorError)
 from moe_offload.planner import GiB
@@ -35,14 +35,6 @@ def _offline(monkeypatch):
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
 
 
-_one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return make_models(tmp_path_factory)
-
-
 @pytest.fixture(scope="module")
 def references(models):
     """family -> (prompt ids, greedy tokens, per-step logits, prefill logits) of the plain transformers model."""
@@ -52,19 +44,6 @@ def references(models):
         if family not in cache:
             ids = prompt_ids(models[family])
             cache[family] = (ids, *run(reference_model(models[family], family), ids))
-        return cache[family]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def plans0(models):
-    """family -> zero-budget plan (byte sizes and roles only)."""
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = mo.plan(models[family])
         return cache[family]
 
     return get

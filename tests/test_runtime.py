@@ -23,11 +23,10 @@ import torch
 
 import moe_offload as mo
 from fixtures_models import (ARMS, BACKENDS, EXPERTS, FAMILIES, SIZES, TIED_IDS, TIED_VOCAB, TOP_K, budgets,
-                             make_models, make_tied, one_thread, prompt_ids, reference_model, run, slice_bytes)
+                             make_tied, prompt_ids, reference_model, run, slice_bytes)
 from moe_offload.planner import GiB
 from moe_offload.tiny import make_tiny
 
-_one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
 
 # MoE layers per tiny model: DeepSeek-V3's first layer is dense (first_k_dense_replace=1).
 # Layers with a router, read off each family's tiny 2-layer model: DeepSeek/GLM keep layer 0 dense
@@ -45,23 +44,6 @@ def load(folder, **kw):
 def _offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return make_models(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def plans0(models):
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = mo.plan(models[family])
-        return cache[family]
-
-    return get
 
 
 class Routing:
