@@ -13,7 +13,9 @@ The model is a make_tiny Qwen3-MoE: hidden 64, 2 layers, 8 experts, top-k 2, voc
 
 BUDGET is layer 0's experts, 589824 B. In declaration order that offloads the embedding,
 layer 0's attention (with its q/k norms), then its experts (770176 B); sparse-first offloads the
-embedding (lowest density) and layer 0's experts (720896 B), and no attention. Both read
+embedding (lowest density), layer 0's gate_up_proj and, to finish the budget with the least
+overshoot, the last 3 of the 8 experts of layer 0's down_proj (24576 B each): 598016 B, and no
+attention. Both read
 the same experts for the same prompts, so declaration reads at least 49152 B more per token.
 """
 
@@ -143,7 +145,9 @@ def test_settings_are_the_applied_plan(rows):
             assert r["offloaded_bytes"] == sum(s["host_bytes_by_role"].values())
             assert s["offloaded_tensor_count"] == len(s["offloaded_tensors"])
             assert r["host_bytes"] >= r["offloaded_bytes"]
-        assert dec["offloaded_bytes"] == 770176 and sf["offloaded_bytes"] == 720896
+        assert dec["offloaded_bytes"] == 770176 and sf["offloaded_bytes"] == 598016
+        assert sf["settings"]["split_tensors"] == {"model.layers.0.mlp.experts.down_proj": 3}
+        assert dec["settings"]["split_tensors"] == {} == ex["settings"]["split_tensors"]
 
 
 def test_declaration_reads_more_over_the_link_than_sparse_first(rows):
@@ -299,10 +303,15 @@ def test_row_metrics_from_known_timings(model_dir):
 
 
 def test_measured_link_bytes_equal_the_plan_at_concurrency_1(rows):
-    # One sequence picks exactly top-k experts per layer: uniform-routing expectation = measurement.
+    # One sequence picks exactly top-k experts per layer: for whole tensors the uniform-routing expectation
+    # is the measurement. (A split tensor reads only the picked experts that are on the host, which depends
+    # on the routing: test_runtime counts those by hand.)
+    checked = 0
     for r in rows:
-        if r["concurrency"] == 1:
+        if r["concurrency"] == 1 and not r["settings"]["split_tensors"]:
             assert r["link_bytes_per_token"] == pytest.approx(r["planned_link_bytes_per_token"], rel=1e-12)
+            checked += 1
+    assert checked == 3   # resident, declaration, explicit:experts
 
 
 def test_repeated_prompts_are_refused_unless_same_prompt(model_dir):

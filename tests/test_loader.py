@@ -123,12 +123,15 @@ def test_budget_is_met_with_overshoot_below_last_tensor(models, plans0):
     assert plan.budget_bytes == 20000
     assert [t.name for t in plan.tensors if t.tier == "host"] == ["model.embed_tokens.weight"]
     assert model.moe_offload_runtime.arena.nbytes == 512 * 32 * 4
-    # 65536 + 1 bytes: the embedding and the smallest routed-expert tensor that covers the last byte
-    # (layer 0 down_proj, 6 x 32 x 48 x 4 = 36864 B, rather than gate_up_proj's 73728 B).
+    # 65536 + 1 bytes: the embedding and one expert of the routed tensor with the smallest expert slice
+    # (down_proj: 32 x 48 x 4 = 6144 B per expert, gate_up_proj's are 12288 B): its last of 6 experts.
     model, plan = load(models["qwen3_moe"], offload_gb=65537 / GiB)
     assert [t.name for t in plan.tensors if t.tier == "host"] == [
         "model.embed_tokens.weight", "model.layers.0.mlp.experts.down_proj"]
-    assert plan.offloaded_bytes == 65536 + 6 * 32 * 48 * 4
+    assert {t.name: t.host_experts for t in plan.tensors if t.host_experts} == {
+        "model.layers.0.mlp.experts.down_proj": 1}
+    assert plan.offloaded_bytes == 65536 + 6144
+    assert model.moe_offload_runtime.arena.nbytes == 65536 + 6144
     assert plan0.total_bytes > plan.offloaded_bytes
 
 

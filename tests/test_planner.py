@@ -322,16 +322,19 @@ def test_device_memory_offloads_the_least_that_fits():
     # room for 1348 B of weights: 1648 - 1348 = 300 B must go
     p = plan(full_model(), device_memory_gb=gb(1348 + reserve), reserve_gb=gb(reserve))
     assert p.budget_bytes == 300
-    # embedding 256 < 300, then 44 B more: the smallest expert tensor, down_proj 256 B (not gate_up_proj
-    # 512 B): resident 1648 - 512 = 1136 <= 1348
+    # embedding 256 < 300, then 44 B more: one expert of down_proj (4 experts of 64 B; gate_up_proj's are
+    # 128 B): resident 1648 - 320 = 1328 <= 1348
     assert host(p) == ["model.embed_tokens.weight", "model.layers.0.mlp.experts.down_proj"]
-    assert p.resident_bytes == 1136 <= 1348
+    split = {t.name: t.host_experts for t in p.tensors if t.host_experts}
+    assert split == {"model.layers.0.mlp.experts.down_proj": 1}
+    assert p.offloaded_bytes == 320 and p.resident_bytes == 1328 <= 1348
 
     p = plan(full_model(), device_memory_gb=gb(1392 + reserve), reserve_gb=gb(reserve))   # 256 B must go
     assert host(p) == ["model.embed_tokens.weight"] and p.resident_bytes == 1392
 
     p = plan(full_model(), device_memory_gb=gb(1391 + reserve), reserve_gb=gb(reserve))   # one byte less room
     assert host(p) == ["model.embed_tokens.weight", "model.layers.0.mlp.experts.down_proj"]
+    assert p.offloaded_bytes == 256 + 64   # the embedding and one 64 B expert of down_proj
 
 
 def test_device_memory_that_cannot_fit_even_with_everything_eligible_offloaded():
@@ -409,25 +412,38 @@ def test_overshoot_is_less_than_the_last_tensor_offloaded(policy):
     for budget in [0, 1, 2767, 2768] + [rng.randrange(0, 2769) for _ in range(200)]:
         p = plan(inv, offload_gb=gb(budget), policy=policy)
         # The shortest prefix of the order that reaches the budget, except that under sparse-first the
-        # expert tensor that reaches it is the smallest remaining expert tensor that does (all experts
-        # have one density, so the smallest costs least); the embedding and dense tensors keep the order.
-        expected, done, rest = [], 0, list(ORDER[policy])
+        # budget is finished by expert slices (4 experts per tensor): the last n experts of the remaining
+        # expert tensor with the smallest slice that covers what is left. Embedding and dense: whole, in order.
+        expected, done, rest, split = [], 0, list(ORDER[policy]), {}
         while done < budget:
             name = rest[0]
             need = budget - done
             if policy == "sparse-first" and ".experts." in name and size[name] >= need:
-                name = min((n for n in rest if ".experts." in n and size[n] >= need), key=lambda n: size[n])
+                name = min((n for n in rest if ".experts." in n and size[n] >= need), key=lambda n: size[n] // 4)
+                n = -(-need // (size[name] // 4))
+                if n < 4:
+                    split[name] = n
+                    expected.append(name)
+                    done += n * (size[name] // 4)
+                    break
             rest.remove(name)
             expected.append(name)
             done += size[name]
         assert sorted(host(p)) == sorted(expected)
+        assert {t.name: t.host_experts for t in p.tensors if t.host_experts} == split
         over = p.offloaded_bytes - budget
         assert p.budget_bytes == budget and over >= 0
         overshoot_notes = [n for n in p.notes if "more than the budget" in n]
-        if over:
-            assert over < size[expected[-1]]
+        last = expected[-1] if expected else None
+        if over and last in split:
+            assert over < size[last] // 4   # below one expert slice
+            assert overshoot_notes == [f"offloaded {over} bytes more than the budget: {last} went in part (its "
+                                       f"last {split[last]} of 4 experts, {size[last] // 4} bytes each), and the "
+                                       "last expert crossed the target"]
+        elif over:
+            assert over < size[last]
             assert overshoot_notes == [f"offloaded {over} bytes more than the budget: tensors move whole, and the "
-                                       f"last one ({expected[-1]}, {size[expected[-1]]} bytes) crossed the target"]
+                                       f"last one ({last}, {size[last]} bytes) crossed the target"]
         else:
             assert overshoot_notes == []
 
@@ -518,9 +534,9 @@ def test_roles_partition_the_model():
     assert all(t.role in roles for t in p.tensors)   # exactly one role per tensor, a known one
     assert sum(r["bytes"] for r in roles.values()) == p.total_bytes == 1664
     assert sum(r["params"] for r in roles.values()) == p.total_params == 824
-    # 300 B: embedding 256 B + down_proj 256 B
-    assert sum(r["offloaded_bytes"] for r in roles.values()) == p.offloaded_bytes == 512
-    assert roles["routed_expert"] == {"params": 384, "bytes": 768, "offloaded_bytes": 256}
+    # 300 B: embedding 256 B + one expert (64 B) of down_proj
+    assert sum(r["offloaded_bytes"] for r in roles.values()) == p.offloaded_bytes == 320
+    assert roles["routed_expert"] == {"params": 384, "bytes": 768, "offloaded_bytes": 64}
     assert roles["embedding"] == {"params": 128, "bytes": 256, "offloaded_bytes": 256}
     assert roles["lm_head"] == {"params": 128, "bytes": 256, "offloaded_bytes": 0}
     # router: gate.weight 32 params / 64 B + the buffer 0 params / 16 B

@@ -29,7 +29,10 @@ def test_python_api_example_runs(tmp_path):
     # new_state: an update of every expert weight, in the (transposed) layout the example leaves them in
     exec(compile(code.split("mo.update_weights")[0], "README", "exec"), namespace)
     model = namespace["model"]
-    namespace["new_state"] = {n: torch.zeros_like(p) for n, p in model.named_parameters() if "experts" in n}
+    # (full tensors, as a trainer holds them: a tensor split between tiers shows only its host part here)
+    splits = model.moe_offload_runtime.splits
+    namespace["new_state"] = {n: torch.zeros(p.shape[0] + (splits[n][1] if n in splits else 0), *p.shape[1:])
+                              for n, p in model.named_parameters() if "experts" in n}
     rest = "mo.update_weights" + code.split("mo.update_weights", 1)[1]
     exec(compile(rest, "README", "exec"), namespace)
     assert namespace["plan"].tiers["model.layers.0.mlp.experts.down_proj"] == "host"

@@ -47,5 +47,12 @@ def audit(model: nn.Module, plan: Plan) -> list[Mismatch]:
             continue
         actual = actual_tier(live, arena, device)
         if actual != t.tier:
-            out.append(Mismatch(t.name, t.tier, actual, t.bytes))
+            out.append(Mismatch(t.name, t.tier, actual, t.offloaded_bytes or t.bytes))
+        if t.host_experts:  # split: the model holds the host part; the first experts must be on the device
+            splits = runtime.splits if runtime is not None else {}
+            part = splits.get(t.name, (None, 0))[0]
+            where = "missing" if part is None else actual_tier(part, arena, device)
+            if where != Tier.DEVICE.value or splits[t.name][1] != t.resident_experts:
+                out.append(Mismatch(f"{t.name}[:{t.resident_experts}]", Tier.DEVICE.value, where,
+                                    t.bytes - t.offloaded_bytes))
     return out

@@ -210,6 +210,8 @@ def applied_settings(model, plan) -> dict:
         "host_bytes_by_role": dict(by_role),
         "offloaded_tensor_count": len(names),
         "offloaded_tensors": names[:SHOWN_NAMES],
+        # routed-expert tensors split between tiers: name -> experts on the host (read back: the host part)
+        "split_tensors": {name: model.get_parameter(name).shape[0] for name in rt.splits},
     }
     if rt.device.type == "cpu":
         out["threads"] = torch.get_num_threads()
@@ -225,8 +227,9 @@ def device_resident_bytes(model) -> int:
         if t.device == rt.device and not rt.arena.owns(t) and t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
-    # Staging buffers of the prefetch backend (reused device copies of offloaded weights).
-    staging = list(getattr(rt, "_staging", {}).values())
+    # The device experts of tensors split between tiers, and the prefetch backend's staging buffers
+    # (reused device copies of offloaded weights).
+    staging = [part for part, _ in rt.splits.values()] + list(getattr(rt, "_staging", {}).values())
     dense = getattr(rt, "_dense", None)
     staging += [b for b in getattr(dense, "ring", []) if b is not None]
     return total + sum(b.numel() * b.element_size() for b in staging)

@@ -12,6 +12,7 @@ memory. Any error leaves nothing behind: the half-built model is dropped, not re
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import defaultdict
 from pathlib import Path
 
@@ -102,8 +103,8 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     by_name = {t.name: t for t in plan.tensors}
     arena = HostArena(dev, want_uva=(backend == "uva"))
     try:
-        targets = _allocate(model, plan, dev, arena)
-        _stream_checkpoint(folder, model, targets, by_name, progress)
+        targets, splits = _allocate(model, plan, dev, arena)
+        _stream_checkpoint(folder, model, targets, splits, by_name, progress)
         for name, (host_t, visible) in targets.items():
             set_tensor(model, name, visible, is_buffer=by_name[name].is_buffer)
         for alias, target in inv.tied:
@@ -112,7 +113,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
         host_names = {t.name: t.tier for t in plan.tensors if t.tier != Tier.DEVICE}
         host_tensors = {name: targets[name][0] for name in host_names if name in targets}
         runtime = Runtime(model, device=dev, backend=backend, arena=arena, host_names=host_names,
-                          host_tensors=host_tensors, plan=plan)
+                          host_tensors=host_tensors, plan=plan, splits=splits)
         runtime.attach()
         model.moe_offload_runtime = runtime
         mismatches = audit(model, plan)
@@ -141,14 +142,25 @@ def _check_plan_matches(plan: Plan, inv, folder: Path) -> None:
 
 
 def _allocate(model: nn.Module, plan: Plan, dev: torch.device, arena: HostArena):
-    """name -> (host tensor or device tensor, tensor the model holds); host tensors in per-layer slabs."""
+    """(name -> (host tensor or device tensor, tensor the model holds), split tensors' device parts).
+
+    Host tensors live in per-layer slabs. A routed-expert tensor split between tiers holds its last
+    `host_experts` experts in the slab (that is the tensor the model holds) and its first experts in a
+    device tensor: name -> (device part, number of experts in it).
+    """
     meta = {**dict(model.named_parameters()), **{n: b for n, b in model.named_buffers()}}
     targets: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    splits: dict[str, tuple[torch.Tensor, int]] = {}
     regions: dict[str, list] = defaultdict(list)
     for t in plan.tensors:
         m = meta[t.name]
         tdtype = m.dtype
-        if t.tier == Tier.DEVICE:
+        if t.host_experts:
+            resident = t.resident_experts
+            splits[t.name] = (torch.empty((resident, *t.shape[1:]), dtype=tdtype, device=dev), resident)
+            region = f"layer {t.layer}" if t.layer is not None else "other"
+            regions[f"{t.component}:{region}"].append((t.name, (t.host_experts, *t.shape[1:]), tdtype))
+        elif t.tier == Tier.DEVICE:
             x = torch.empty(t.shape, dtype=tdtype, device=dev)
             if m.device.type != "meta":  # a buffer computed at construction: keep its value unless the checkpoint has one
                 x.copy_(m)
@@ -162,10 +174,10 @@ def _allocate(model: nn.Module, plan: Plan, dev: torch.device, arena: HostArena)
         m = meta[name]
         if m.device.type != "meta" and arena.owns(host):
             host.copy_(m)
-    return targets
+    return targets, splits
 
 
-def _stream_checkpoint(folder: Path, model: nn.Module, targets, by_name, progress: bool) -> None:
+def _stream_checkpoint(folder: Path, model: nn.Module, targets, splits, by_name, progress: bool) -> None:
     from safetensors import safe_open
 
     files = safetensors_files(folder)
@@ -182,27 +194,48 @@ def _stream_checkpoint(folder: Path, model: nn.Module, targets, by_name, progres
                         raise CheckpointError(f"{path.name}: tensor {key!r} matches no tensor of the model; "
                                               "the checkpoint and config.json are for different models")
                     src = f.get_tensor(key)  # memory-mapped: pages are read as they are copied
+                    # pieces: (first expert, tensor holding experts from there on); one piece unless split
                     host, _ = targets[slot.target]
-                    dst = _destination(host, slot, key)
+                    pieces = [(0, host)]
+                    if slot.target in splits:
+                        device_part, resident = splits[slot.target]
+                        pieces = [(0, device_part), (resident, host)]
+                    full = torch.empty(by_name[slot.target].shape, device="meta")
+                    shape = tuple(_destination(full, slot, key).shape)
                     # transformers' Transpose(check_dims=True): transpose only when the tensor does not already fit.
                     if slot.transpose and not (getattr(slot, "transpose_if_needed", False)
-                                               and tuple(src.shape) == tuple(dst.shape)):
+                                               and tuple(src.shape) == shape):
                         src = src.transpose(*slot.transpose)
-                    if tuple(src.shape) != tuple(dst.shape):
+                    if tuple(src.shape) != shape:
                         raise CheckpointError(
                             f"{path.name}: {key!r} has shape {list(src.shape)}, but its place in "
-                            f"{slot.target} has shape {list(dst.shape)}; the checkpoint does not match config.json")
-                    if src.is_floating_point() != dst.is_floating_point():
-                        raise CheckpointError(f"{path.name}: {key!r} is {src.dtype}, the model expects {dst.dtype}; "
+                            f"{slot.target} has shape {list(shape)}; the checkpoint does not match config.json")
+                    if src.is_floating_point() != host.is_floating_point():
+                        raise CheckpointError(f"{path.name}: {key!r} is {src.dtype}, the model expects {host.dtype}; "
                                               "the checkpoint does not match config.json")
-                    dst.copy_(src)
-                    written[slot.target] += dst.numel()
-                    bar.advance(task, dst.numel() * dst.element_size())
+                    for first, piece in pieces:
+                        _write(piece, first, slot, src, key)
+                    written[slot.target] += src.numel()
+                    bar.advance(task, src.numel() * host.element_size())
     missing = [n for n, (host, _) in targets.items()
-               if written.get(n, 0) != host.numel() and not by_name[n].is_buffer]
+               if written.get(n, 0) != host.numel() + (splits[n][0].numel() if n in splits else 0)
+               and not by_name[n].is_buffer]
     if missing:
         raise CheckpointError(f"{folder}: {len(missing)} tensor(s) not fully written by the checkpoint "
                               f"(first: {missing[:3]}); the checkpoint is incomplete")
+
+
+def _write(piece: torch.Tensor, first: int, slot, src: torch.Tensor, key: str) -> None:
+    """Copy into `piece`, the target's experts [first, first + len(piece)) (the whole target when unsplit),
+    what `src` holds of them."""
+    if piece.dim() == 0:
+        piece.copy_(src)
+        return
+    count = piece.shape[0]
+    if slot.expert is None:   # the checkpoint tensor spans every expert (or the tensor has no experts)
+        _destination(piece, slot, key).copy_(src[first:first + count])
+    elif first <= slot.expert < first + count:
+        _destination(piece, dataclasses.replace(slot, expert=slot.expert - first), key).copy_(src)
 
 
 def _destination(host: torch.Tensor, slot, key: str) -> torch.Tensor:

@@ -43,6 +43,10 @@ class Offloader:
         if plan is None and offload_gb is None:
             raise BudgetError("the Offloader has neither a plan nor offload_gb, so it would offload nothing: give "
                               "offload_gb=X (GiB) or plan=moe_offload.plan(...)")
+        split = [t.name for t in plan.tensors if t.host_experts] if plan is not None else []
+        if split:
+            raise MoeOffloadError(f"the plan offloads {split[0]} in part (expert slices); wrap_modules places "
+                                  "whole tensors: use moe_offload.load for such a plan, or plan without slicing")
         on_disk = [t.name for t in plan.tensors if t.tier == Tier.DISK] if plan is not None else []
         if on_disk:
             raise MoeOffloadError(f"the plan puts {len(on_disk)} tensor(s) on disk (first: {on_disk[:2]}); the "

@@ -59,10 +59,26 @@ class PlannedTensor:
     top_k: int | None       # k, for routed experts
     tier: str
     reason: str
+    # A routed-expert tensor [E, ...] split between tiers: its last `host_experts` experts are on the host,
+    # the others on the device (tier "host"). 0: the tensor lies whole in its tier.
+    host_experts: int = 0
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def resident_experts(self) -> int:
+        """Experts [0, resident_experts) of a split tensor stay on the device."""
+        return self.shape[0] - self.host_experts if self.host_experts else 0
+
+    @property
+    def offloaded_bytes(self) -> int:
+        if self.tier == Tier.DEVICE:
+            return 0
+        if self.host_experts:
+            return self.bytes // self.shape[0] * self.host_experts
+        return self.bytes
 
     def density(self, batch: int = 1) -> float:
         """Expected fraction of this tensor's bytes read by one decode step of `batch` sequences."""
@@ -94,7 +110,7 @@ class Plan:
 
     @property
     def offloaded_bytes(self) -> int:
-        return sum(t.bytes for t in self.tensors if t.tier != Tier.DEVICE)
+        return sum(t.offloaded_bytes for t in self.tensors)
 
     @property
     def resident_bytes(self) -> int:
@@ -121,8 +137,7 @@ class Plan:
         token reads none of their bytes. (They still rank as dense tensors, after the experts.)
         """
         b = batch or self.batch
-        return sum(t.bytes * t.density(b) for t in self.tensors
-                   if t.tier != Tier.DEVICE and t.component == "language") / b
+        return sum(t.offloaded_bytes * t.density(b) for t in self.tensors if t.component == "language") / b
 
     def roles(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {r.value: {"params": 0, "bytes": 0, "offloaded_bytes": 0} for r in Role}
@@ -130,7 +145,7 @@ class Plan:
             row = out[t.role]
             row["params"] += 0 if t.is_buffer else t.numel
             row["bytes"] += t.bytes
-            row["offloaded_bytes"] += t.bytes if t.tier != Tier.DEVICE else 0
+            row["offloaded_bytes"] += t.offloaded_bytes
         return out
 
     # --- serialisation -----------------------------------------------------------------
@@ -300,6 +315,7 @@ def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: f
 
     order = sorted(eligible, key=lambda i: (density(i), dense(i), i)) if policy_ is Policy.SPARSE_FIRST else eligible
     offloaded: set[int] = set()
+    split: dict[int, int] = {}   # index -> experts on the host, for a routed-expert tensor offloaded in part
     done = 0
     last = None
     for pos, i in enumerate(order):
@@ -312,8 +328,23 @@ def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: f
             # covers what is left keeps the overshoot, and what it costs, down: Mixtral's down_proj rather
             # than its twice-as-large gate_up_proj. Dense tensors keep strict declaration order.
             kind = (density(i), dense(i))
-            i = min((j for j in order[pos:] if (density(j), dense(j)) == kind and records[j].bytes >= need),
-                    key=lambda j: records[j].bytes)
+            covering = [j for j in order[pos:] if (density(j), dense(j)) == kind and records[j].bytes >= need]
+            sliceable = [j for j in covering if _experts_of(records[j], roles[j], inv)]
+            if sliceable:
+                # Fused expert tensors can go in part: the last n of their E experts. The smallest expert
+                # slice overshoots least; the overshoot is then below one expert slice.
+                i = min(sliceable, key=lambda j: records[j].bytes // _experts_of(records[j], roles[j], inv))
+                experts = _experts_of(records[i], roles[i], inv)
+                per_expert = records[i].bytes // experts
+                n = -(-need // per_expert)
+                if n < experts:
+                    split[i] = n
+                    offloaded.add(i)
+                    done += per_expert * n
+                    last = i
+                    break
+            else:
+                i = min(covering, key=lambda j: records[j].bytes)
         offloaded.add(i)
         done += records[i].bytes
         last = i
@@ -323,12 +354,24 @@ def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: f
         routed = role == Role.ROUTED_EXPERT
         tier = Tier.HOST if i in offloaded else Tier.DEVICE
         reason = _reason(i in offloaded, policy_, role, density(i), selectors and i in eligible)
+        if i in split:
+            reason = (f"offloaded in part: its last {split[i]} of {r.shape[0]} experts, the slice that met the "
+                      "budget")
         tensors.append(PlannedTensor(
             r.name, r.shape, r.dtype, r.bytes, r.layer, r.component, role.value, r.is_buffer,
-            inv.num_experts if routed else None, inv.top_k if routed else None, tier.value, reason))
+            inv.num_experts if routed else None, inv.top_k if routed else None, tier.value, reason,
+            split.get(i, 0)))
 
-    notes += _notes(records, roles, offloaded, target, done, last, policy_, eligible)
+    notes += _notes(records, roles, offloaded, target, done, last, policy_, eligible, split)
     return Plan(tuple(tensors), inv.model_type, policy_.value, target, batch, selectors, tuple(notes))
+
+
+def _experts_of(record: TensorRecord, role: Role, inv: Inventory) -> int:
+    """E for a fused routed-expert tensor [E, ...] that can be offloaded expert by expert, else 0."""
+    e = inv.num_experts
+    if role != Role.ROUTED_EXPERT or not e or len(record.shape) < 2 or record.shape[0] != e or e < 2:
+        return 0
+    return e if record.bytes % e == 0 else 0
 
 
 def _reason(off: bool, policy: Policy, role: Role, density: float, selected: bool) -> str:
@@ -343,7 +386,7 @@ def _reason(off: bool, policy: Policy, role: Role, density: float, selected: boo
 
 
 def _notes(records: Sequence[TensorRecord], roles, offloaded: set[int], target: int, done: int, last,
-           policy: Policy, eligible) -> list[str]:
+           policy: Policy, eligible, split: dict[int, int]) -> list[str]:
     notes = []
     if not offloaded:
         return notes
@@ -369,7 +412,12 @@ def _notes(records: Sequence[TensorRecord], roles, offloaded: set[int], target: 
                    else "--offload-params selects none of it")
             notes.append(f"the {comp} tower ({_gib(size)}) stays resident: {why}")
     over = done - target
-    if over > 0 and last is not None:
+    if over > 0 and last in split:
+        r = records[last]
+        notes.append(f"offloaded {over} bytes more than the budget: {r.name} went in part (its last {split[last]} "
+                     f"of {r.shape[0]} experts, {r.bytes // r.shape[0]} bytes each), and the last expert crossed "
+                     "the target")
+    elif over > 0 and last is not None:
         notes.append(f"offloaded {over} bytes more than the budget: tensors move whole, and the last one "
                      f"({records[last].name}, {records[last].bytes} bytes) crossed the target")
     return notes

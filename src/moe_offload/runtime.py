@@ -105,22 +105,35 @@ class _ExpertsState:
     runtime: "Runtime"
     offloaded: dict[str, torch.Tensor]  # local name -> host-tier tensor (device-visible view for uva)
     num_experts: int
+    # local name -> (device part, resident experts) of a tensor split between tiers: experts [0, resident)
+    # are in the device part, the others in the host tensor of `offloaded`
+    split: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)
 
     def run(self, module, hidden_states, top_k_index, top_k_weights):
         # top_k_index: [T, k] expert ids; the selected experts are the only ones read.
         per_expert = sum(t[0].numel() * t.element_size() for t in self.offloaded.values())
-        if self.runtime.backend == "uva":
+        if self.runtime.backend == "uva" and not self.split:
             # In place: the eager forward indexes each selected expert of the host view. Counting the
             # distinct experts needs their number on the host, so it waits for the end of the forward
             # call: one synchronisation per step instead of one per layer.
             self.runtime.routes.append((top_k_index.detach(), per_expert))
             return _original_forward(module)(module, hidden_states, top_k_index, top_k_weights)
         selected = torch.unique(top_k_index)                     # [U], ascending
-        self.runtime.counter.add(per_expert * selected.numel())
-        # prefetch: stage the U selected experts into reused buffers, renumber them 0..U-1. The eager
-        # loop then visits them in the same ascending order, so the arithmetic is bit-identical.
+        # prefetch (and any split tensor): stage the U selected experts into reused buffers, renumber them
+        # 0..U-1. The eager loop then visits them in the same ascending order: bit-identical arithmetic.
         local = torch.searchsorted(selected, top_k_index)       # [T, k]
-        staged = {name: self.runtime.stage_rows(t, selected, key=name) for name, t in self.offloaded.items()}
+        staged = {}
+        for name, t in self.offloaded.items():
+            row = t[0].numel() * t.element_size()
+            if name in self.split:
+                device_part, resident = self.split[name]
+                on_host = selected[selected >= resident]        # ascending, after the resident ones
+                self.runtime.counter.add(row * on_host.numel())
+                staged[name] = self.runtime.stage_split(device_part, t, selected[selected < resident],
+                                                        on_host - resident, key=name)
+            else:
+                self.runtime.counter.add(row * selected.numel())
+                staged[name] = self.runtime.stage_rows(t, selected, key=name)
         for name, p in module.named_parameters(recurse=False):
             # Resident per-expert tensors are renumbered too (a device-local gather, no link bytes).
             if name not in staged and p.dim() >= 1 and p.shape[0] == self.num_experts:
@@ -133,7 +146,8 @@ class Runtime:
     """Holds one loaded model's backend state: host arena, staging buffers, counters and hook handles."""
 
     def __init__(self, model: nn.Module, *, device: torch.device, backend: str, arena, host_names: dict[str, str],
-                 host_tensors: dict[str, torch.Tensor] | None = None, plan=None):
+                 host_tensors: dict[str, torch.Tensor] | None = None, plan=None,
+                 splits: dict[str, tuple[torch.Tensor, int]] | None = None):
         from .errors import DeviceError
 
         if backend not in BACKENDS:
@@ -146,6 +160,8 @@ class Runtime:
         # name -> the host-memory tensor behind an offloaded weight (the model may hold a uva view of it)
         self.host_tensors = dict(host_tensors or {})
         self.plan = plan                     # the plan applied, for audits after transforms
+        # name -> (device part, resident experts) of routed-expert tensors split between tiers
+        self.splits = dict(splits or {})
         self.counter = LinkCounter()
         self.routes: list[tuple[torch.Tensor, int]] = []  # uva: (top_k_index, bytes per expert), counted per call
         self._handles: list = []
@@ -174,6 +190,21 @@ class Runtime:
             buf = torch.empty(need, dtype=dtype, device=self.device)
             self._staging[key] = buf
         return buf[:need].view(shape)
+
+    def stage_split(self, device_part: torch.Tensor, host: torch.Tensor, resident_rows: torch.Tensor,
+                    host_rows: torch.Tensor, *, key: str) -> torch.Tensor:
+        """Gather the selected experts of a split tensor: resident ones from the device part (no link bytes),
+        then offloaded ones from the host (ascending order is kept: resident ids are all smaller)."""
+        count = resident_rows.numel() + host_rows.numel()
+        shape = tuple(host.shape[1:])
+        out = self._buffer(("rows", key, shape, host.dtype), (count, *shape), host.dtype)
+        torch.index_select(device_part, 0, resident_rows, out=out[:resident_rows.numel()])
+        if self.device.type == "cpu":
+            torch.index_select(host, 0, host_rows, out=out[resident_rows.numel():])
+        else:
+            for i, r in enumerate(host_rows.tolist(), start=resident_rows.numel()):
+                out[i].copy_(host[r], non_blocking=True)
+        return out
 
     def stage_rows(self, host: torch.Tensor, rows: torch.Tensor, *, key: str) -> torch.Tensor:
         """Copy host[rows] into a reused device buffer, one per `key` (a tensor's local name, so two tensors
@@ -212,10 +243,12 @@ class Runtime:
             if is_experts:
                 experts_modules.append(mod)
                 offl = {n: getattr(mod, n) for n in (locals_ or [])}
+                split = {n: self.splits[f"{mod_name}.{n}"] for n in offl if f"{mod_name}.{n}" in self.splits}
                 num = next((getattr(mod, f) for f in ("num_experts", "num_local_experts") if hasattr(mod, f)), None)
                 if num is None and offl:  # fused experts: the leading dim of every per-expert tensor
-                    num = next(iter(offl.values())).shape[0]
-                mod._moe_offload_state = _ExpertsState(self, offl, num or 0)
+                    name, t = next(iter(offl.items()))
+                    num = t.shape[0] + (split[name][1] if name in split else 0)
+                mod._moe_offload_state = _ExpertsState(self, offl, num or 0, split)
             elif locals_ and isinstance(mod, nn.Embedding):
                 self._hook_embedding(mod, locals_)
             elif locals_:

@@ -63,7 +63,10 @@ def transform_weights(model: nn.Module, fn: Transform, *, names: Iterable[str] |
     """Apply `fn(name, tensor) -> tensor` to the named weights (default: all) of a loaded model.
 
     Offloaded weights are given to `fn` as host tensors and stay on the host; resident ones
-    as device tensors. Returns the names transformed. Raises AuditError if anything moved.
+    as device tensors. A routed-expert tensor split between tiers is given to `fn` in its two
+    parts (experts on the host, then experts on the device), so `fn` must act expert by expert
+    (e.g. transpose the last two dims). Returns the names transformed. Raises AuditError if
+    anything moved.
     """
     runtime = _runtime(model)
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -81,6 +84,10 @@ def transform_weights(model: nn.Module, fn: Transform, *, names: Iterable[str] |
                     raise MoeOffloadError(f"the transform moved offloaded {name} to {new.device}; transforms of "
                                           "offloaded weights must stay on the host")
                 set_tensor(model, name, _rehost(runtime, name, new))
+                if name in runtime.splits:  # the first experts, on the device: the same transform, there
+                    part, resident = runtime.splits[name]
+                    with torch.no_grad():
+                        runtime.splits[name] = (fn(name, part), resident)
             else:
                 with torch.no_grad():
                     set_tensor(model, name, fn(name, tensors[name]))
@@ -98,6 +105,16 @@ def update_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> Non
         if name not in live:
             raise MoeOffloadError(f"{name!r} is not a tensor of this model; check the name against named_parameters()")
         target = runtime.host_tensors.get(name, live[name])
+        if name in runtime.splits:  # [E, ...]: the first experts go to the device part, the rest to the host
+            part, resident = runtime.splits[name]
+            if tuple(value.shape) != (resident + target.shape[0], *target.shape[1:]):
+                raise MoeOffloadError(f"{name}: new value has shape {list(value.shape)}, the weight has "
+                                      f"{[resident + target.shape[0], *target.shape[1:]]}; apply the same "
+                                      "transforms to the update first")
+            with torch.no_grad():
+                part.copy_(value[:resident])
+                target.copy_(value[resident:])
+            continue
         if tuple(value.shape) != tuple(target.shape):
             raise MoeOffloadError(f"{name}: new value has shape {list(value.shape)}, the weight has "
                                   f"{list(target.shape)}; apply the same transforms to the update first")
