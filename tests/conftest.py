@@ -157,3 +157,10 @@ def plans0(models):
         return cache[family]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    """Nothing is ever fetched: transformers is told it has no network."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")

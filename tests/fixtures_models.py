@@ -134,3 +134,10 @@ def make_tied(folder):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(folder)
     return folder
+
+
+def load(folder, **kw):
+    """moe_offload.load on the CPU (the default device is the accelerator when there is one)."""
+    import moe_offload as mo
+
+    return mo.load(folder, **{"device": "cpu", **kw})

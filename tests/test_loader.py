@@ -17,22 +17,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import moe_offload as mo
-from fixtures_models import (ARMS, BACKENDS, FAMILIES, TIED_IDS, TIED_VOCAB, budgets, make_tied,
+from fixtures_models import (load, ARMS, BACKENDS, FAMILIES, TIED_IDS, TIED_VOCAB, budgets, make_tied,
                              prompt_ids, reference_model, run, tensor_bytes)
 from moe_offload.errors import (BudgetError, CheckpointError, ConfigError, DeviceError, MoeOffloadError,
                                 SelectorError)
 from moe_offload.planner import GiB
-
-
-def load(folder, **kw):
-    """moe_offload.load on the CPU (the default device is the accelerator when there is one)."""
-    return mo.load(folder, **{"device": "cpu", **kw})
-
-
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
 
 
 @pytest.fixture(scope="module")

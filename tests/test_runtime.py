@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import moe_offload as mo
-from fixtures_models import (ARMS, BACKENDS, EXPERTS, FAMILIES, SIZES, TIED_IDS, TIED_VOCAB, TOP_K, budgets,
+from fixtures_models import (load, ARMS, BACKENDS, EXPERTS, FAMILIES, SIZES, TIED_IDS, TIED_VOCAB, TOP_K, budgets,
                              make_tied, prompt_ids, reference_model, run, slice_bytes)
 from moe_offload.planner import GiB
 from moe_offload.tiny import make_tiny
@@ -33,17 +33,6 @@ from moe_offload.tiny import make_tiny
 # (first_k_dense_replace=1); make_tiny's Jamba alternates a dense attention layer and a Mamba+MoE layer.
 _FIRST_DENSE = {"deepseek_v3", "deepseek_v2", "glm4_moe", "jamba"}
 MOE_LAYERS = {f: (1,) if f in _FIRST_DENSE else (0, 1) for f in FAMILIES}
-
-
-def load(folder, **kw):
-    """moe_offload.load on the CPU (the default device is the accelerator when there is one)."""
-    return mo.load(folder, **{"device": "cpu", **kw})
-
-
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
 
 
 class Routing:
