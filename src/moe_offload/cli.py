@@ -38,7 +38,8 @@ def _budget_options(p: argparse.ArgumentParser) -> None:
                    help="only tensors whose name contains one of these whole dot-separated segment sequences "
                         "are eligible (`experts` matches `...mlp.experts.down_proj`)")
     g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
-                   help="storage dtype when planning from config.json alone (default: the config's own)")
+                   help="the dtype weights are held in (default: the checkpoint's; from config.json alone, the "
+                        "config's own and its quantization_config)")
 
 
 def _budget_kwargs(args) -> dict:
