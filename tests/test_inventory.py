@@ -457,3 +457,18 @@ def test_fp8_modules_to_not_convert_patterns(write_config):
     assert by["model.layers.0.self_attn.q_a_proj.weight"].dtype == "bfloat16"
     assert by["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].dtype == "bfloat16"
     assert by["model.layers.1.mlp.experts.down_proj"].dtype == "float8_e4m3fn"
+
+
+def test_a_live_module_real_or_meta_plans_like_its_config(write_config):
+    """moe_offload.plan accepts an nn.Module: a real one (with weights) and a meta one give the config's plan."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = write_config(tiny_config_dict("qwen3_moe"))
+    config = AutoConfig.from_pretrained(folder)
+    real = AutoModelForCausalLM.from_config(config)          # weights allocated on the CPU
+    meta = build_meta_model(config)
+    expected = mo.plan(folder, offload_gb=4096 / 2**30)
+    for module in (real, meta):
+        p = mo.plan(module, offload_gb=4096 / 2**30)
+        assert p.tiers == expected.tiers and p.total_bytes == expected.total_bytes
+        assert p.total_params == expected.total_params == sum(x.numel() for x in real.parameters())
