@@ -93,3 +93,52 @@ def test_wrap_modules_refuses_a_split_plan(folder, plans0):
     plan = mo.plan(folder, offload_gb=_split_budget(plans0) / GiB)
     with pytest.raises(MoeOffloadError, match="in part"):
         mo.Offloader(plan=plan)
+
+
+@pytest.mark.parametrize("bad", [-1, EXPERTS, EXPERTS + 3])
+def test_plans_with_an_impossible_split_are_refused(folder, bad):
+    import dataclasses
+
+    plan = mo.plan(folder, offload_gb=0)
+    tensors = tuple(dataclasses.replace(t, tier="host", host_experts=bad) if t.name == DOWN else t
+                    for t in plan.tensors)
+    with pytest.raises(MoeOffloadError, match="can go in part"):
+        mo.load(folder, plan=dataclasses.replace(plan, tensors=tensors))
+
+
+def test_a_split_of_a_tensor_that_is_not_a_routed_expert_is_refused(folder):
+    import dataclasses
+
+    plan = mo.plan(folder, offload_gb=0)
+    tensors = tuple(dataclasses.replace(t, tier="host", host_experts=2) if t.role == "embedding" else t
+                    for t in plan.tensors)
+    with pytest.raises(MoeOffloadError, match="can go in part"):
+        mo.load(folder, plan=dataclasses.replace(plan, tensors=tensors))
+
+
+def test_audit_checks_the_device_part_shape(folder, plans0):
+    model, plan = mo.load(folder, device="cpu", offload_gb=_split_budget(plans0) / GiB)
+    runtime = model.moe_offload_runtime
+    part, resident = runtime.splits[DOWN]
+    runtime.splits[DOWN] = (part[:1], resident)     # a transform that lost experts
+    (mismatch,) = mo.audit(model, plan)
+    assert mismatch.name == f"{DOWN}[:3]" and "shape [1, 32, 48]" in mismatch.actual
+
+
+@pytest.mark.parametrize("backend", ["uva", "prefetch"])
+def test_split_biases_and_weights_of_gpt_oss_equal_transformers(models, backend):
+    """gpt-oss keeps all experts in one checkpoint tensor, transposed, with per-expert biases: split them all."""
+    import dataclasses
+
+    folder = models["gpt_oss"]
+    plan = mo.plan(folder, offload_gb=0)
+    tensors = tuple(dataclasses.replace(t, tier="host", host_experts=2) if ".experts." in t.name else t
+                    for t in plan.tensors)
+    plan = dataclasses.replace(plan, tensors=tensors)
+    model, plan = mo.load(folder, device="cpu", backend=backend, plan=Plan.from_json(plan.to_json()))
+    assert len(model.moe_offload_runtime.splits) == 8   # 2 layers x (gate_up, its bias, down, its bias)
+    assert model.moe_offload_runtime.arena.nbytes == plan.offloaded_bytes and mo.audit(model, plan) == []
+    ids = prompt_ids(folder)
+    ref = run(reference_model(folder, "gpt_oss"), ids)
+    got = run(model, ids)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))

@@ -52,6 +52,9 @@ def audit(model: nn.Module, plan: Plan) -> list[Mismatch]:
             splits = runtime.splits if runtime is not None else {}
             part = splits.get(t.name, (None, 0))[0]
             where = "missing" if part is None else actual_tier(part, arena, device)
+            if part is not None and (tuple(part.shape[1:]) != tuple(live.shape[1:]) or part.dtype != live.dtype
+                                     or part.shape[0] != t.resident_experts):
+                where = f"a part of shape {list(part.shape)}, {part.dtype}"   # no longer one tensor with the host part
             if where != Tier.DEVICE.value or splits[t.name][1] != t.resident_experts:
                 out.append(Mismatch(f"{t.name}[:{t.resident_experts}]", Tier.DEVICE.value, where,
                                     t.bytes - t.offloaded_bytes))

@@ -135,6 +135,12 @@ def _check_plan_matches(plan: Plan, inv, folder: Path) -> None:
         raise MoeOffloadError(f"the plan is for another model than {folder}: plan-only tensors {only_plan}, "
                               f"model-only tensors {only_model}; plan this model again")
     for name, t in planned.items():
+        if t.host_experts and not (t.tier == Tier.HOST and t.role == "routed_expert" and len(t.shape) >= 2
+                                   and "Experts" in actual[name].module_class
+                                   and 0 < t.host_experts < t.shape[0]):
+            raise MoeOffloadError(f"the plan offloads {t.host_experts} experts of {name} ({t.role}, shape "
+                                  f"{list(t.shape)}, tier {t.tier}): only a fused routed-expert tensor on the host "
+                                  "can go in part, with 0 < host_experts < its experts; plan this model again")
         if tuple(t.shape) != actual[name].shape or t.dtype != actual[name].dtype:
             raise MoeOffloadError(f"the plan gives {name} shape {list(t.shape)}, {t.dtype}, but {folder} loads "
                                   f"it as {list(actual[name].shape)}, {actual[name].dtype}; plan this model "

@@ -369,7 +369,8 @@ def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: f
 def _experts_of(record: TensorRecord, role: Role, inv: Inventory) -> int:
     """E for a fused routed-expert tensor [E, ...] that can be offloaded expert by expert, else 0."""
     e = inv.num_experts
-    if role != Role.ROUTED_EXPERT or not e or len(record.shape) < 2 or record.shape[0] != e or e < 2:
+    if role != Role.ROUTED_EXPERT or not e or len(record.shape) < 2 or record.shape[0] != e or e < 2 \
+            or "Experts" not in record.module_class:   # only a fused experts module's tensors have an expert axis
         return 0
     return e if record.bytes % e == 0 else 0
 

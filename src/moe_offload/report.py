@@ -41,7 +41,9 @@ def tensors_table(plan: Plan) -> Table:
     for t in plan.tensors:
         style = "cyan" if t.tier != "device" else None
         table.add_row(escape(t.name), t.role, "x".join(map(str, t.shape)), t.dtype, format_bytes(t.bytes),
-                      f"{t.density(plan.batch):.4g}", t.tier, style=style)
+                      f"{t.density(plan.batch):.4g}",
+                      f"{t.tier} (last {t.host_experts} of {t.shape[0]} experts)" if t.host_experts else t.tier,
+                      style=style)
     return table
 
 

@@ -236,6 +236,7 @@ class Runtime:
             mod_name, _, local = name.rpartition(".")
             by_module.setdefault(mod_name, []).append(local)
         experts_modules = []
+        served: set[str] = set()   # split tensors an experts function will read
         dense_groups: dict[str, list[str]] = {}
         for mod_name, mod in modules.items():
             locals_ = by_module.get(mod_name)
@@ -244,6 +245,7 @@ class Runtime:
                 experts_modules.append(mod)
                 offl = {n: getattr(mod, n) for n in (locals_ or [])}
                 split = {n: self.splits[f"{mod_name}.{n}"] for n in offl if f"{mod_name}.{n}" in self.splits}
+                served.update(f"{mod_name}.{n}" for n in split)
                 num = next((getattr(mod, f) for f in ("num_experts", "num_local_experts") if hasattr(mod, f)), None)
                 if num is None and offl:  # fused experts: the leading dim of every per-expert tensor
                     name, t = next(iter(offl.items()))
@@ -260,6 +262,12 @@ class Runtime:
                 dense_groups.setdefault(group, []).extend(f"{rel}.{n}" if rel else n for n in locals_)
         for group, paths in dense_groups.items():
             self._hook_dense(group, modules[group], paths)
+        unserved = sorted(set(self.splits) - served)
+        if unserved:
+            from .errors import MoeOffloadError
+
+            raise MoeOffloadError(f"{unserved[0]} is split between tiers but no fused experts module reads it; "
+                                  "only routed-expert tensors of an experts module can go in part")
         if experts_modules:
             self.model.set_experts_implementation(EXPERTS_IMPL)
         self._handles.append(self.model.register_forward_pre_hook(self._top_pre, with_kwargs=True))

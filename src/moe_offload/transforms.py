@@ -80,14 +80,15 @@ def transform_weights(model: nn.Module, fn: Transform, *, names: Iterable[str] |
             if name in runtime.host_names:
                 with torch.no_grad():
                     new = fn(name, runtime.host_tensors[name])
+                    # a split tensor's first experts, on the device: the same transform, computed before
+                    # either part is replaced so that a failure leaves both as they were
+                    part = fn(name, runtime.splits[name][0]) if name in runtime.splits else None
                 if new.device.type != "cpu":
                     raise MoeOffloadError(f"the transform moved offloaded {name} to {new.device}; transforms of "
                                           "offloaded weights must stay on the host")
                 set_tensor(model, name, _rehost(runtime, name, new))
-                if name in runtime.splits:  # the first experts, on the device: the same transform, there
-                    part, resident = runtime.splits[name]
-                    with torch.no_grad():
-                        runtime.splits[name] = (fn(name, part), resident)
+                if part is not None:
+                    runtime.splits[name] = (part, runtime.splits[name][1])
             else:
                 with torch.no_grad():
                     set_tensor(model, name, fn(name, tensors[name]))
