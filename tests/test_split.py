@@ -126,19 +126,25 @@ def test_audit_checks_the_device_part_shape(folder, plans0):
 
 
 @pytest.mark.parametrize("backend", ["uva", "prefetch"])
-def test_split_biases_and_weights_of_gpt_oss_equal_transformers(models, backend):
-    """gpt-oss keeps all experts in one checkpoint tensor, transposed, with per-expert biases: split them all."""
+@pytest.mark.parametrize("family, split_tensors", [
+    ("gpt_oss", 8),        # one transposed checkpoint tensor for all experts, per-expert biases: 2 x 4 tensors
+    ("qwen3_vl_moe", 4),   # fused on disk (transposed only if needed)
+    ("granitemoe", 4),     # fused on disk under other names (input_linear / output_linear)
+    ("mixtral", 4),        # one checkpoint tensor per expert (w1/w2/w3)
+])
+def test_every_expert_tensor_split_equals_transformers(models, family, split_tensors, backend):
+    """Split every routed-expert tensor (the last 2 of 6 experts on the host) whatever the checkpoint layout."""
     import dataclasses
 
-    folder = models["gpt_oss"]
+    folder = models[family]
     plan = mo.plan(folder, offload_gb=0)
-    tensors = tuple(dataclasses.replace(t, tier="host", host_experts=2) if ".experts." in t.name else t
+    tensors = tuple(dataclasses.replace(t, tier="host", host_experts=2) if t.role == "routed_expert" else t
                     for t in plan.tensors)
     plan = dataclasses.replace(plan, tensors=tensors)
     model, plan = mo.load(folder, device="cpu", backend=backend, plan=Plan.from_json(plan.to_json()))
-    assert len(model.moe_offload_runtime.splits) == 8   # 2 layers x (gate_up, its bias, down, its bias)
+    assert len(model.moe_offload_runtime.splits) == split_tensors
     assert model.moe_offload_runtime.arena.nbytes == plan.offloaded_bytes and mo.audit(model, plan) == []
     ids = prompt_ids(folder)
-    ref = run(reference_model(folder, "gpt_oss"), ids)
+    ref = run(reference_model(folder, family), ids)
     got = run(model, ids)
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
