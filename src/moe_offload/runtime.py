@@ -199,11 +199,7 @@ class Runtime:
         shape = tuple(host.shape[1:])
         out = self._buffer(("rows", key, shape, host.dtype), (count, *shape), host.dtype)
         torch.index_select(device_part, 0, resident_rows, out=out[:resident_rows.numel()])
-        if self.device.type == "cpu":
-            torch.index_select(host, 0, host_rows, out=out[resident_rows.numel():])
-        else:
-            for i, r in enumerate(host_rows.tolist(), start=resident_rows.numel()):
-                out[i].copy_(host[r], non_blocking=True)
+        self._copy_rows(host, host_rows, out[resident_rows.numel():])
         return out
 
     def stage_rows(self, host: torch.Tensor, rows: torch.Tensor, *, key: str) -> torch.Tensor:
@@ -211,13 +207,17 @@ class Runtime:
         staged for the same forward never share one) and row shape, shared by all layers (they run in turn)."""
         count = rows.numel()
         out = self._buffer(("rows", key, tuple(host.shape[1:]), host.dtype), (count, *host.shape[1:]), host.dtype)
+        self._copy_rows(host, rows, out)
+        return out
+
+    def _copy_rows(self, host: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """out[i] = host[rows[i]]: a gather on the CPU; on an accelerator row by row from pinned memory
+        (asynchronous DMA, no pageable temporary)."""
         if self.device.type == "cpu":
             torch.index_select(host, 0, rows, out=out)
         else:
-            # Row by row from pinned memory: asynchronous DMA, no pageable temporary.
             for i, r in enumerate(rows.tolist()):
                 out[i].copy_(host[r], non_blocking=True)
-        return out
 
     # --- attach / detach -------------------------------------------------------------------
     def attach(self) -> None:
@@ -320,21 +320,18 @@ class Runtime:
             self.counter.add(rows.numel() * row_bytes)
             if self.backend == "uva":
                 return None
-            m._parameters["weight"] = nn.Parameter(self.stage_rows(host_ref[0], rows, key="embedding"), requires_grad=False)
+            set_tensor(m, "weight", self.stage_rows(host, rows, key="embedding"))
             # padding_idx indexes the full table (it only masks gradients): F.embedding rejects it when it is
             # beyond the staged rows, so it is lifted while the staged table is in place.
-            padding_ref[0], m.padding_idx = m.padding_idx, None
+            m.padding_idx = None
             return (torch.searchsorted(rows, ids), *args[1:])
 
         def post(m, args, output):
             if self.backend != "uva":
-                m._parameters["weight"] = host_ref[0]
-                m.padding_idx = padding_ref[0]
+                set_tensor(m, "weight", host)
+                m.padding_idx = padding
 
-        host_ref = [host]
-        padding_ref = [mod.padding_idx]
-        self._embedding_refs = getattr(self, "_embedding_refs", {})
-        self._embedding_refs[id(mod)] = host_ref
+        padding = mod.padding_idx
         self._handles.append(mod.register_forward_pre_hook(pre))
         self._handles.append(mod.register_forward_hook(post))
 

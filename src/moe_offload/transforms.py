@@ -37,8 +37,10 @@ def _runtime(model: nn.Module):
     return runtime
 
 
-def _rehost(runtime, name: str, new: torch.Tensor) -> torch.Tensor:
-    """Write `new` (a host tensor) into `name`'s host bytes; returns the tensor the model should hold."""
+def _rehost(runtime, name: str, new: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Write `new` (a host tensor) into `name`'s host bytes; returns the tensor the model should hold.
+
+    `visible` is what the model holds now: the host tensor itself, or a uva view of it."""
     host = runtime.host_tensors[name]
     new = new.contiguous()
     nbytes = new.numel() * new.element_size()
@@ -46,8 +48,6 @@ def _rehost(runtime, name: str, new: torch.Tensor) -> torch.Tensor:
         raw = host.reshape(-1).view(torch.uint8)
         raw.copy_(new.reshape(-1).view(torch.uint8))
         host_new = raw.view(new.dtype).view(new.shape)
-        live = {**dict(runtime.model.named_parameters()), **dict(runtime.model.named_buffers())}
-        visible = live.get(name, host)
         if visible.data_ptr() != host.data_ptr() or visible.device != host.device:  # a uva view: rebuild it
             visible = visible.reshape(-1).view(torch.uint8).view(new.dtype).view(new.shape)
         else:
@@ -86,7 +86,7 @@ def transform_weights(model: nn.Module, fn: Transform, *, names: Iterable[str] |
                 if new.device.type != "cpu":
                     raise MoeOffloadError(f"the transform moved offloaded {name} to {new.device}; transforms of "
                                           "offloaded weights must stay on the host")
-                set_tensor(model, name, _rehost(runtime, name, new))
+                set_tensor(model, name, _rehost(runtime, name, new, tensors[name]))
                 if part is not None:
                     runtime.splits[name] = (part, runtime.splits[name][1])
             else:
