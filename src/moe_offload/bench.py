@@ -303,13 +303,9 @@ def _budget_label(offload_gb, device_memory_gb, reserve_gb) -> str:
 
 
 def _load_tokenizer(folder: Path):
-    from transformers import AutoTokenizer
+    from .loader import load_tokenizer
 
-    try:
-        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise MoeOffloadError(f"{folder} has no usable tokenizer ({type(exc).__name__}); bench needs "
-                              "tokenizer.json / tokenizer_config.json as save_pretrained writes them") from exc
+    tok = load_tokenizer(folder)
     tok.padding_side = "left"          # decode appends on the right: pad on the left, mask the pads
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token

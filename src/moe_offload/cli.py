@@ -86,22 +86,13 @@ def _runtime_options(p: argparse.ArgumentParser) -> None:
 
 def load_for_cli(args, **extra):
     """Load MODEL with the command's budget and runtime options; returns (model, plan, tokenizer)."""
-    from transformers import AutoTokenizer
-
     from . import load
+    from .loader import load_tokenizer
 
     folder = _model_path(args.model)
     if not folder.is_dir():
         raise MoeOffloadError(f"{folder} is a file: generate and bench need the model folder (weights + tokenizer)")
-    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any((folder / f).is_file() for f in tokenizer_files):
-        raise MoeOffloadError(f"{folder} has no tokenizer (none of {', '.join(tokenizer_files)}); generate and bench "
-                              "need the tokenizer files save_pretrained writes next to the weights")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise MoeOffloadError(f"{folder} has no usable tokenizer ({type(exc).__name__}); the folder needs "
-                              "tokenizer.json / tokenizer_config.json as save_pretrained writes them") from exc
+    tokenizer = load_tokenizer(folder)
     model, plan = load(folder, device=args.device, backend=args.backend, dtype=args.dtype,
                        progress=not getattr(args, "json", False) and sys.stderr.isatty(), **_budget_kwargs(args),
                        **extra)

@@ -126,6 +126,22 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     return model, plan
 
 
+def load_tokenizer(folder: Path):
+    """The model folder's own tokenizer; a folder without tokenizer files is refused (transformers would
+    otherwise build an empty one from the config)."""
+    from transformers import AutoTokenizer
+
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((Path(folder) / f).is_file() for f in files):
+        raise MoeOffloadError(f"{folder} has no tokenizer (none of {', '.join(files)}); generate and bench need "
+                              "the tokenizer files save_pretrained writes next to the weights")
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise MoeOffloadError(f"{folder} has no usable tokenizer ({type(exc).__name__}); the folder needs "
+                              "tokenizer.json / tokenizer_config.json as save_pretrained writes them") from exc
+
+
 def _check_plan_matches(plan: Plan, inv, folder: Path) -> None:
     planned = {t.name: t for t in plan.tensors}
     actual = {r.name: r for r in inv.records}
