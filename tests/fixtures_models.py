@@ -47,7 +47,30 @@ def reference_model(folder, family: str):
     # Inference weights, as moe_offload loads them: on the CPU torch picks another convolution kernel when a
     # weight requires grad (Jamba's Mamba conv1d then differs by one ulp), even under no_grad.
     model.requires_grad_(False)
-    return model.eval()
+    return fresh_allocations(model).eval()
+
+
+def fresh_allocations(model):
+    """Every parameter and buffer copied into a fresh allocation of its own, as moe_offload.load makes them.
+
+    from_pretrained leaves weights in memory-mapped safetensors pages, aligned only as the file's header
+    length happens to place them. BLAS picks its kernels (and so its summation order) by alignment, so a
+    reference read from the mapping differs from the same weights in fresh memory by an ulp on some CPUs
+    (AMD EPYC, AVX2 paths) and not on others. With both sides in fresh 64-byte aligned allocations the
+    comparison is exact on every CPU, BLAS build and thread count. Tied tensors stay tied.
+    """
+    seen: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None:
+                    continue
+                if id(t) not in seen:
+                    data = t.detach().clone(memory_format=torch.contiguous_format)
+                    seen[id(t)] = torch.nn.Parameter(data, requires_grad=t.requires_grad) \
+                        if isinstance(t, torch.nn.Parameter) else data
+                table[name] = seen[id(t)]
+    return model
 
 
 def prompt_ids(folder, n: int = 12) -> torch.Tensor:

@@ -62,10 +62,22 @@ class PlannedTensor:
     # A routed-expert tensor [E, ...] split between tiers: its last `host_experts` experts are on the host,
     # the others on the device (tier "host"). 0: the tensor lies whole in its tier.
     host_experts: int = 0
+    # The sorted ids of the experts on the host when the tensor is offloaded in part or whole by expert
+    # (frequency placement: any subset, not only the last n). Empty: the last `host_experts` experts, if any.
+    host_expert_ids: tuple[int, ...] = ()
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def host_ids(self) -> tuple[int, ...]:
+        """Ids of the experts of a split tensor that lie on the host (ascending); () for a whole tensor."""
+        if self.host_expert_ids:
+            return self.host_expert_ids
+        if self.host_experts:
+            return tuple(range(self.shape[0] - self.host_experts, self.shape[0]))
+        return ()
 
     @property
     def resident_experts(self) -> int:
@@ -179,7 +191,8 @@ class Plan:
             data = json.loads(text)
             if data.get("format") != PLAN_FORMAT:
                 raise ValueError(f"plan format {data.get('format')!r}, this moe-offload reads format {PLAN_FORMAT}")
-            tensors = tuple(PlannedTensor(**{**t, "shape": tuple(t["shape"]), "tier": Tier(t["tier"]).value})
+            tensors = tuple(PlannedTensor(**{**t, "shape": tuple(t["shape"]), "tier": Tier(t["tier"]).value,
+                                             "host_expert_ids": tuple(t.get("host_expert_ids", ()))})
                             for t in data["tensors"])
             return cls(tensors, data["model_type"], data["policy"], int(data["budget_bytes"]), int(data["batch"]),
                        tuple(data.get("offload_params", ())), tuple(data.get("notes", ())))
