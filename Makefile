@@ -17,8 +17,14 @@ $(BIN)/moe-offload: pyproject.toml
 
 setup: $(BIN)/moe-offload
 
+# The exactness tests run twice: with the kernels torch and MKL pick for this CPU, then with the portable
+# ones (no AVX2/AVX-512 ATen kernels, MKL restricted to AVX2, as an AMD CPU gets it). Bit-identity must hold
+# on both paths: it may not depend on which CPU, BLAS build or alignment the suite happens to meet.
+SECOND_KERNEL_PATH := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX2 OMP_NUM_THREADS=1
+
 test: setup
 	$(BIN)/python -m pytest tests
+	$(SECOND_KERNEL_PATH) $(BIN)/python -m pytest tests -m exact
 
 demo: setup
 	$(BIN)/python benchmarks/demo.py

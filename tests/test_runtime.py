@@ -27,6 +27,10 @@ from fixtures_models import (load, ARMS, BACKENDS, EXPERTS, FAMILIES, SIZES, TIE
 from moe_offload.planner import GiB
 from moe_offload.tiny import make_tiny
 
+# Outputs compared bit for bit with the plain transformers model: `make test` reruns these under a second
+# kernel path (see the Makefile).
+pytestmark = pytest.mark.exact
+
 
 # MoE layers per tiny model: DeepSeek-V3's first layer is dense (first_k_dense_replace=1).
 # Layers with a router, read off each family's tiny 2-layer model: DeepSeek/GLM keep layer 0 dense

@@ -11,6 +11,10 @@ from fixtures_models import EXPERTS, prompt_ids, reference_model, run
 from moe_offload.errors import MoeOffloadError
 from moe_offload.planner import GiB, Plan
 
+# Outputs compared bit for bit with the plain transformers model: `make test` reruns these under a second
+# kernel path (see the Makefile).
+pytestmark = pytest.mark.exact
+
 FAMILY = "deepseek_v3"          # layer 0 dense, layer 1 MoE: one gate_up_proj [6, 96, 32] and down_proj [6, 32, 48]
 GATE_UP = "model.layers.1.mlp.experts.gate_up_proj"
 DOWN = "model.layers.1.mlp.experts.down_proj"
