@@ -14,6 +14,7 @@ Everything goes through the real command (`moe_offload.cli.main`); every number 
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import sys
 import textwrap
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 import moe_offload as mo
 from moe_offload.cli import main as cli
@@ -57,13 +59,28 @@ def step(title: str) -> None:
     console.rule(f"[bold]{title}")
 
 
+def command_name() -> str:
+    """The command as the reader can type it: its name when it is on PATH, else the venv's script."""
+    if shutil.which("moe-offload"):
+        return "moe-offload"
+    script = Path(sys.executable).with_name("moe-offload")   # .venv/bin/moe-offload under `make demo`
+    try:
+        return str(script.relative_to(Path.cwd()))
+    except ValueError:
+        return str(script)
+
+
 def run(argv: list[str]) -> None:
-    console.print(f"[dim]$ moe-offload {' '.join(argv)}[/dim]")
+    # Quoted as a shell reads it (a prompt holds spaces), printed on one line however narrow the terminal
+    # (soft_wrap: rich inserts no newlines), and escaped so that rich does not take `[...]` for markup:
+    # the line can be copied and pasted as it is.
+    line = shlex.join([command_name(), *argv])
+    console.print(f"[dim]$ {escape(line)}[/dim]", soft_wrap=True)
     sys.stdout.flush()
     rc = cli(argv)
     sys.stdout.flush()
     if rc != 0:
-        sys.exit(f"demo: `moe-offload {' '.join(argv)}` failed with status {rc}")
+        sys.exit(f"demo: `{line}` failed with status {rc}")
 
 
 def the_model() -> Path:

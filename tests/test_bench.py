@@ -318,3 +318,84 @@ def test_repeated_prompts_are_refused_unless_same_prompt(model_dir):
     with pytest.raises(MoeOffloadError, match="repeat"):
         bench.run_bench(model_dir, arms="sparse-first", concurrency=[2], runs=1, max_new_tokens=2,
                         offload_gb=BUDGET_GB, device="cpu", prompts=["same line", "same line"])
+
+
+def test_resident_rows_report_what_the_arm_did(rows):
+    for r in rows:
+        if r["arm"] == "resident":
+            s = r["settings"]
+            assert s["policy"] == "resident" and s["budget_bytes"] == 0 and s["offload_params"] == []
+            assert s["host_bytes_by_role"] == {} and r["offloaded_bytes"] == 0
+        else:
+            assert r["settings"]["policy"] != "resident"
+
+
+def test_a_model_that_fits_the_device_memory_says_so(model_dir):
+    total = mo.plan(model_dir).total_bytes
+    said = []
+    out = bench.run_bench(model_dir, arms="resident,sparse-first", concurrency=[1], runs=1, max_new_tokens=2,
+                          device_memory_gb=(total + 1024) / GiB, reserve_gb=0, device="cpu", log=said.append)
+    assert [r["arm"] for r in out] == ["resident", "sparse-first"]
+    assert all(r["offloaded_bytes"] == 0 for r in out)
+    assert [s["policy"] for s in (r["settings"] for r in out)] == ["resident", "sparse-first"]
+    notes = [m for m in said if m.startswith("note: the model fits")]
+    assert len(notes) == 1 and "no arm offloads anything" in notes[0]
+
+
+def _unwritable_dir(tmp_path: Path) -> Path:
+    """A directory nothing can be created in: a read-only folder, or /sys for root (whom mode bits do not stop)."""
+    import os
+
+    if os.geteuid() == 0:
+        return Path("/sys")
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o500)
+    return folder
+
+
+@pytest.mark.parametrize("option, where, message", [
+    ("--json", "a-directory", "is a directory"),
+    ("--json", "unwritable", "not writable"),
+    ("--json", "missing-folder", "does not exist"),
+    ("--json", "through-a-file", "is not a folder"),
+    ("--plot", "a-directory.png", "is a directory"),
+    ("--plot", "unwritable", "not writable"),
+])
+def test_cli_output_paths_are_checked_before_measuring(model_dir, tmp_path, capsys, monkeypatch, option, where,
+                                                       message):
+    def measured(*args, **kwargs):
+        raise AssertionError("bench measured before checking where its output goes")
+
+    monkeypatch.setattr(bench, "run_bench", measured)
+    (tmp_path / "a-file").write_text("")
+    name = "b.json" if option == "--json" else "b.png"
+    path = {"a-directory": tmp_path, "a-directory.png": tmp_path / "charts.png", "missing-folder": tmp_path / "no" / name,
+            "unwritable": _unwritable_dir(tmp_path) / name, "through-a-file": tmp_path / "a-file" / name}[where]
+    if where == "a-directory.png":
+        path.mkdir()
+    rc, out, err = _cli(["bench", str(model_dir), "--device", "cpu", "--offload-gb", repr(BUDGET_GB), option,
+                         str(path)], capsys)
+    assert rc == 2 and out == ""
+    assert err.startswith("error:") and err.count("\n") == 1 and message in err, err
+    assert not [p for p in tmp_path.rglob(".*")], "a probe file was left behind"
+
+
+def _listed_options(command: str, capsys) -> tuple[str, set[str]]:
+    """(usage, options) of `moe-offload COMMAND --help`: the options are the entries argparse lists."""
+    import re
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    return out.split("\n\n")[0], set(re.findall(r"^  (--[\w-]+)", out, re.M))
+
+
+def test_bench_help_lists_no_policy_options_but_refuses_them(model_dir, capsys):
+    usage, listed = _listed_options("bench", capsys)
+    assert {"--arms", "--offload-gb", "--device-memory"} <= listed
+    assert not {"--policy", "--offload-params"} & listed
+    assert "--policy" not in usage and "--offload-params" not in usage
+    _, plan_listed = _listed_options("plan", capsys)
+    assert {"--policy", "--offload-params"} <= plan_listed
+    rc, _, err = _cli(["bench", str(model_dir), "--offload-gb", repr(BUDGET_GB), "--policy", "declaration"], capsys)
+    assert rc == 2 and "--arms" in err

@@ -5,8 +5,9 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
+from fixtures_models import reference_model
 from moe_offload.cli import main
 from moe_offload.tiny import make_tiny
 
@@ -23,6 +24,7 @@ def _run(capsys, *argv):
     return code, out, err
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("backend", ["uva", "prefetch"])
 def test_generate_json_matches_transformers_and_counts_link_bytes(capsys, model_dir, backend):
     code, out, err = _run(capsys, "generate", model_dir, "--prompt", "The river", "--max-new-tokens", 5,
@@ -38,7 +40,7 @@ def test_generate_json_matches_transformers_and_counts_link_bytes(capsys, model_
     # 0.0001 GiB = 107,375 bytes, more than the embedding (512 x 32 fp32 = 65,536 B): experts offloaded too,
     # so every decode step reads some bytes.
     assert result["offloaded_bytes"] >= 107_375 and result["link_bytes_per_token"] > 0
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, experts_implementation="eager").eval()
+    ref = reference_model(model_dir, "qwen3_moe")
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = tok("The river", return_tensors="pt")
     with torch.no_grad():
@@ -108,3 +110,34 @@ def test_generate_stops_at_eos_unless_ignore_eos(capsys, model_dir, tmp_path):
     code, out, _ = _run(capsys, "generate", copy, "--prompt", "The river", "--max-new-tokens", 6, "--ignore-eos",
                         "--json")
     assert json.loads(out)["token_ids"] == tokens
+
+
+def test_help_names_no_path_a_user_does_not_have(capsys):
+    for argv in ([], ["plan"], ["generate"], ["bench"], ["make-tiny"]):
+        with pytest.raises(SystemExit) as exc:
+            main([*argv, "--help"])
+        assert exc.value.code == 0
+        out = capsys.readouterr().out
+        assert "usage: moe-offload" in out
+        assert "../" not in out and "shared/" not in out, out
+
+
+def test_generate_on_an_invalid_config_says_the_config_is_not_json(capsys, model_dir, tmp_path):
+    copy = tmp_path / "broken"
+    shutil.copytree(model_dir, copy)
+    (copy / "config.json").write_text('{"model_type": "qwen3_moe", ')   # cut off mid-file
+    code, out, err = _run(capsys, "generate", copy, "--prompt", "x")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("error:") and "config.json is not valid JSON" in err and "tokenizer" not in err
+
+
+def test_generate_refuses_an_empty_prompt_before_loading(capsys, model_dir, monkeypatch):
+    from moe_offload import cli
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("generate loaded the model for an empty prompt")
+
+    monkeypatch.setattr(cli, "load_for_cli", loaded)
+    code, out, err = _run(capsys, "generate", model_dir, "--prompt", "")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith('error: --prompt "" is empty')

@@ -349,7 +349,7 @@ def test_unknown_dtype(models):
 
 def test_impossible_budget(models, plans0):
     total = plans0("qwen3_moe").total_bytes
-    message = _no_result(models["qwen3_moe"], BudgetError, "offload-gb", offload_gb=(total + 1) / GiB)
+    message = _no_result(models["qwen3_moe"], BudgetError, "offload_gb=", offload_gb=(total + 1) / GiB)
     assert str(total) in message
     _no_result(models["qwen3_moe"], BudgetError, "non-negative", offload_gb=-1)
 

@@ -268,7 +268,7 @@ def test_selector_matching_nothing_names_similar_segments():
 def test_budget_above_the_selected_bytes_is_an_error():
     inv = make_inv(layer(0) + layer(1))
     plan(inv, offload_gb=gb(512), offload_params=["experts.down_proj"])   # exactly the selection: fine
-    with pytest.raises(BudgetError, match=r"more than the tensors --offload-params selects \(512 B, 512 bytes\)"):
+    with pytest.raises(BudgetError, match=r"more than the tensors offload_params selects \(512 B, 512 bytes\)"):
         plan(inv, offload_gb=gb(513), offload_params=["experts.down_proj"])
 
 
@@ -577,3 +577,122 @@ def test_malformed_plan_json_is_a_user_error(bad):
         bad = _tamper(good, tampering[bad.removeprefix("TAMPER:")])
     with pytest.raises(MoeOffloadError, match="not a moe-offload plan"):
         Plan.from_json(bad)
+
+
+# ---------------------------------------------------------------------------------------
+# API gaps (issue 7): string selectors, Python argument names, quantized configs without a dtype
+
+
+def test_a_string_selector_is_one_selector():
+    inv = make_inv(layer(0) + layer(1))
+    as_str = plan(inv, offload_gb=gb(512), offload_params="experts")
+    as_list = plan(inv, offload_gb=gb(512), offload_params=["experts"])
+    # Declaration order among the selected: layer 0's gate_up_proj (512 B) meets the budget alone.
+    assert host(as_str) == host(as_list) == ["model.layers.0.mlp.experts.gate_up_proj"]
+    assert as_str.offload_params == ("experts",) and as_str.offloaded_bytes == 512
+
+
+def test_a_string_selector_through_the_python_api(family_dir):
+    import moe_offload as mo
+
+    folder = family_dir("qwen3_moe")
+    p = mo.plan(folder, offload_gb=gb(1), offload_params="down_proj")
+    assert p.offload_params == ("down_proj",)
+    # conftest's tiny qwen3_moe (float32): one down_proj [4 experts, 32, 16] = 8192 B covers 1 B of budget.
+    assert host(p) == ["model.layers.0.mlp.experts.down_proj"] and p.offloaded_bytes == 8192
+
+
+@pytest.mark.parametrize("kwargs, python, flag", [
+    (dict(offload_gb=-1), "offload_gb=-1 is not a size", "--offload-gb -1 is not a size"),
+    (dict(device_memory_gb=-1), "device_memory_gb=-1 is not a size", "--device-memory -1 is not a size"),
+    (dict(offload_gb=gb(1), device_memory_gb=4), "offload_gb and device_memory_gb both set a budget",
+     "--offload-gb and --device-memory both set a budget"),
+    (dict(reserve_gb=1), "reserve_gb only applies with device_memory_gb", "--reserve-gb only applies with "
+     "--device-memory"),
+    (dict(offload_gb=gb(1649)), "offload_gb=1.53575e-06 is more than the whole model (1.61 KiB, 1648 bytes)",
+     "--offload-gb 1.53575e-06 is more than the whole model"),
+    (dict(device_memory_gb=1, reserve_gb=2), "device_memory_gb=1 GiB is less than the 2 GiB reserve: lower "
+     "reserve_gb", "--device-memory 1 GiB is less than the 2 GiB reserve: lower --reserve-gb"),
+    (dict(offload_gb=gb(1), offload_params="nothing"), "offload_params 'nothing' matches no tensor",
+     "--offload-params 'nothing' matches no tensor"),
+    (dict(offload_gb=gb(1), batch=0), "batch=0: the number of sequences", "--batch 0: the number of sequences"),
+])
+def test_python_errors_name_arguments_and_the_cli_shows_flags(kwargs, python, flag):
+    from moe_offload.cli import _as_flags
+
+    with pytest.raises(MoeOffloadError) as err:
+        plan(full_model(), **kwargs)
+    message = str(err.value)
+    assert python in message and "--" not in message, message
+    assert flag in _as_flags(message)
+
+
+def test_cli_budget_errors_still_name_flags(family_dir, capsys):
+    from moe_offload import cli
+
+    rc = cli.main(["plan", str(family_dir("qwen3_moe")), "--offload-gb", "-1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == "error: --offload-gb -1.0 is not a size: give a non-negative number of GiB\n"
+
+
+def test_gpt_oss_120b_without_dtype_plans_as_its_published_checkpoint(write_config):
+    """Quantized config without torch_dtype/dtype: unquantized tensors planned as bf16, with a note.
+
+    gpt-oss-120b (published.GPT_OSS_120B, 36 layers, 128 experts, hidden 2880):
+      MXFP4 experts, 17/32 byte per element: 36 x 128 x 2880 x (5760 + 2880) x 17/32 = 60,914,073,600 B
+      bf16 rest, 2,167,371,072 params x 2 B                                        =  4,334,742,144 B
+        (embed + lm_head 2 x 201088 x 2880 = 1,158,266,880; per layer 28,030,592: attention 26,550,144,
+         router 368,768, norms 5,760, expert biases 1,105,920; final norm 2,880)
+      total 65,248,815,744 B = 60.77 GiB against the published checkpoint's 60.8 GiB (float32 rest: 64.8 GiB).
+    """
+    import moe_offload as mo
+    from moe_offload.published import GPT_OSS_120B
+
+    without = {k: v for k, v in GPT_OSS_120B.items() if k != "dtype"}
+    p = mo.plan(write_config(without, name="no-dtype"))
+    assert p.total_bytes == 65_248_815_744
+    assert abs(p.total_bytes - 60.8 * GiB) < 0.01 * 60.8 * GiB
+    assert {t.dtype for t in p.tensors} == {"mxfp4", "bfloat16"}
+    assert any("names no dtype" in n and "mxfp4" in n and "bfloat16" in n for n in p.notes)
+    # The same bytes as the config that names bf16 itself, which needs no note.
+    named = mo.plan(write_config(GPT_OSS_120B, name="bf16"))
+    assert named.total_bytes == p.total_bytes and not any("names no dtype" in n for n in named.notes)
+
+
+def test_fp8_block_config_without_dtype_plans_its_unquantized_tensors_as_bf16(write_config):
+    """One-layer tiny qwen3_moe (conftest) with an FP8 128x128 block quantization_config and no dtype.
+
+      fp8 Linear weights + one 4 B scale per 128x128 block: q 32x32 -> 1028, k 16x32 -> 516, v 516, o 1028
+      fp8 experts: gate_up [4, 32, 32] 4096 + 4 x 2 halves x 4 B = 4128; down [4, 32, 16] 2048 + 16 = 2064
+      bf16: embed 64x32 4096, lm_head 4096 (not converted), router 4x32 256, q/k norms 2 x 16, norms 3 x 64
+      total 17,952 B (read as float32 the bf16 part would double: 26,624 B)
+    """
+    import moe_offload as mo
+
+    from conftest import tiny_config_dict
+
+    config = tiny_config_dict("qwen3_moe", num_hidden_layers=1)
+    config.pop("dtype", None)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    p = mo.plan(write_config(config))
+    assert p.total_bytes == 17_952
+    by_name = {t.name: t for t in p.tensors}
+    assert by_name["lm_head.weight"].dtype == "bfloat16" and by_name["lm_head.weight"].bytes == 4096
+    assert by_name["model.layers.0.mlp.gate.weight"].bytes == 256
+    assert {t.dtype for t in p.tensors} == {"float8_e4m3fn", "bfloat16"}
+    assert any("names no dtype" in n and "fp8" in n for n in p.notes)
+
+
+def test_a_plan_for_another_model_is_a_plan_mismatch_error(save_tiny):
+    import moe_offload as mo
+    from moe_offload.errors import PlanMismatchError
+
+    small = save_tiny("qwen3_moe", name="one-layer", num_hidden_layers=1)
+    other = save_tiny("qwen3_moe", name="two-layers")
+    with pytest.raises(PlanMismatchError, match="the plan is for another model"):
+        mo.load(other, device="cpu", plan=mo.plan(small))
+    # Same names, another dtype: bf16 weights against a plan made for the float32 checkpoint.
+    with pytest.raises(PlanMismatchError, match="shape .* float32, but .* loads it as .* bfloat16"):
+        mo.load(small, device="cpu", dtype="bf16", plan=mo.plan(small))
+    assert mo.PlanMismatchError is PlanMismatchError and issubclass(PlanMismatchError, MoeOffloadError)

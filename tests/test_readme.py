@@ -1,40 +1,180 @@
-"""The README's Python API example runs as written (on a model made here), so the README stays true."""
+"""Every code block of README.md runs exactly as written, so the README stays true.
 
+Blocks are found by their fence's language, so a section added later is picked up by itself:
+
+- ```python: the block is a script, run by the venv's python in a subprocess;
+- ```console: every `$ ` line (with the lines its trailing backslashes continue) is a command, run by
+  bash; the other lines are the output a reader sees, not compared (paths and timings differ);
+- ```bash, ```sh, ```shell: the whole block is a bash script, run with `set -e`;
+- ```text, ```json, ```jsonl: output shown to the reader, never run.
+
+A fence of any other language (or none) fails `test_every_block_has_a_known_language`: a new block
+cannot escape the test unnoticed. To keep a runnable block out of the test (it needs a GPU, it is the
+test suite itself), write `<!-- not-run: the reason -->` on the line right before its fence; the reason
+is required. Use it sparingly: a block that is not run is a block that can rot.
+
+All the runnable blocks run in README order in one fresh working directory (later blocks use what
+earlier ones wrote there, e.g. the `tiny-moe` folder that the make-tiny example writes), with the venv's
+bin first on PATH and nothing fetched from a hub. Running one block's test alone first runs the blocks
+before it.
+"""
+
+from __future__ import annotations
+
+import os
 import re
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import torch.nn as nn
-
-from moe_offload.tiny import make_tiny
+import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+BIN = Path(sys.executable).parent        # the venv's bin: its python and its moe-offload
+RUN = {"python", "console", "bash", "sh", "shell"}
+OUTPUT = {"text", "json", "jsonl"}
+TIMEOUT_S = 300                          # per command: the slowest (bench) takes ~10 s on 2 cores
+_FENCE = re.compile(r"^```(\S*)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
+_NOT_RUN = re.compile(r"<!--\s*not-run:((?:(?!-->).)*)-->\s*\Z", re.S)   # only blank space up to the fence
 
 
-def test_python_api_example_runs(tmp_path):
-    text = README.read_text()
-    section = text[text.index("## Python API"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    folder = make_tiny(tmp_path / "tiny", family="qwen3_moe", layers=2, experts=8, top_k=2, hidden=64)
-    code = code.replace('"/tmp/tiny"', repr(str(folder)))
+@dataclass(frozen=True)
+class Block:
+    line: int            # README line of the opening fence (1-based)
+    lang: str
+    code: str
+    not_run: str | None  # the reason given by a `<!-- not-run: ... -->` marker, None without one
 
-    class Layer(nn.Module):  # what an engine's generator would build
-        def __init__(self, cfg):
-            super().__init__()
-            self.mlp = nn.Module()
-            self.mlp.experts = nn.Module()
-            self.mlp.experts.down_proj = nn.Parameter(torch.randn(cfg, 4, 4))
+    @property
+    def runs(self) -> bool:
+        return self.lang in RUN and self.not_run is None
 
-    namespace = {"input_ids": torch.tensor([[1, 5, 9]]), "Layer": Layer, "cfg": 8, "n": 2}
-    # new_state: an update of every expert weight, in the (transposed) layout the example leaves them in
-    exec(compile(code.split("mo.update_weights")[0], "README", "exec"), namespace)
-    model = namespace["model"]
-    # (full tensors, as a trainer holds them: a tensor split between tiers shows only its host part here)
-    splits = model.moe_offload_runtime.splits
-    namespace["new_state"] = {n: torch.zeros(p.shape[0] + (splits[n][1] if n in splits else 0), *p.shape[1:])
-                              for n, p in model.named_parameters() if "experts" in n}
-    rest = "mo.update_weights" + code.split("mo.update_weights", 1)[1]
-    exec(compile(rest, "README", "exec"), namespace)
-    assert namespace["plan"].tiers["model.layers.0.mlp.experts.down_proj"] == "host"
-    assert namespace["off"].offloaded_bytes == 2 * 8 * 4 * 4 * 4  # both layers' down_proj, fp32
-    assert namespace["mo"].audit(model, namespace["plan"]) == []
+
+def extract_blocks(text: str) -> list[Block]:
+    """The fenced code blocks of a markdown text, in order, with their language and not-run marker."""
+    blocks = []
+    for m in _FENCE.finditer(text):
+        before = text[:m.start()]
+        marker = _NOT_RUN.search(before[-500:])
+        blocks.append(Block(before.count("\n") + 1, m.group(1).lower(), m.group(2),
+                            marker.group(1).strip() if marker else None))
+    return blocks
+
+
+def console_commands(code: str) -> list[str]:
+    """The `$ ` commands of a console block, continuation lines joined as the shell reads them."""
+    commands: list[str] = []
+    continued = False
+    for line in code.splitlines():
+        if continued:
+            commands[-1] += "\n" + line
+        elif line.startswith("$ "):
+            commands.append(line[2:])
+        else:
+            continue                           # output
+        continued = line.endswith("\\")
+    return commands
+
+
+def _id(block: Block) -> str:
+    return f"line{block.line}-{block.lang}"
+
+
+BLOCKS = extract_blocks(README.read_text())
+RUNNABLE = [b for b in BLOCKS if b.runs]
+
+
+class Session:
+    """The working directory all README blocks share, and which of them have run there."""
+
+    def __init__(self, cwd: Path):
+        self.cwd = cwd
+        self.done: set[int] = set()
+        self.env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", HF_HUB_OFFLINE="1",
+                        TRANSFORMERS_OFFLINE="1", MPLBACKEND="Agg",
+                        # the suite's one-thread rule (conftest): tiny models on a small shared CPU
+                        OMP_NUM_THREADS="1")
+
+    def run_through(self, block: Block) -> None:
+        for b in RUNNABLE[:RUNNABLE.index(block) + 1]:
+            if b.line not in self.done:
+                self.done.add(b.line)          # a failed block is reported once, by its own test
+                self._run(b)
+
+    def _run(self, block: Block) -> None:
+        if block.lang == "python":
+            self._check(block, "the python block", [str(BIN / "python"), "-c", block.code])
+        elif block.lang == "console":
+            commands = console_commands(block.code)
+            assert commands, f"README line {block.line}: a console block without a `$ ` command"
+            for cmd in commands:
+                self._check(block, f"`$ {cmd}`", ["bash", "-c", cmd])
+        else:
+            self._check(block, "the bash block", ["bash", "-e", "-c", block.code])
+
+    def _check(self, block: Block, what: str, argv: list[str]) -> None:
+        done = subprocess.run(argv, cwd=self.cwd, env=self.env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert done.returncode == 0, (
+            f"README line {block.line}: {what} exited {done.returncode} (run in a fresh folder where the blocks "
+            f"before it ran)\n--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory) -> Session:
+    assert (BIN / "moe-offload").is_file(), f"no {BIN / 'moe-offload'}: run the tests with the venv's python"
+    return Session(tmp_path_factory.mktemp("readme"))
+
+
+@pytest.mark.parametrize("block", RUNNABLE, ids=_id)
+def test_readme_block_runs_as_written(session, block):
+    session.run_through(block)
+
+
+def test_every_block_has_a_known_language():
+    unknown = [(b.line, b.lang or "(none)") for b in BLOCKS if b.lang not in RUN | OUTPUT]
+    assert not unknown, (f"README blocks of unknown language {unknown}: fence each as one of {sorted(RUN)} (run) "
+                         f"or {sorted(OUTPUT)} (output)")
+
+
+def test_not_run_blocks_say_why_and_are_few():
+    skipped = [b for b in BLOCKS if b.not_run is not None]
+    assert all(b.not_run for b in skipped), "a `<!-- not-run: ... -->` marker needs its reason"
+    assert all(b.lang in RUN for b in skipped), "only a runnable block needs a not-run marker"
+    # Sparingly: most of what a user pastes must stay tested.
+    assert len(skipped) <= len(RUNNABLE) // 2
+    # The README's own examples are run: the ones a new user pastes first.
+    langs = {b.lang for b in RUNNABLE}
+    assert {"python", "console"} <= langs and len(RUNNABLE) >= 5
+
+
+def test_extraction_rules():
+    text = "\n".join([
+        "intro",
+        "```console",
+        "$ moe-offload plan m \\",
+        "      --offload-gb 1",
+        "output line",
+        "$ echo 'two'",
+        "```",
+        "<!-- not-run: needs a GPU -->",
+        "```bash",
+        "nvidia-smi",
+        "```",
+        "",
+        "```text",
+        "$ not a command: output",
+        "```",
+        "```python",
+        "print(1)",
+        "```",
+    ])
+    blocks = extract_blocks(text)
+    assert [(b.line, b.lang, b.not_run, b.runs) for b in blocks] == [
+        (2, "console", None, True), (9, "bash", "needs a GPU", False), (13, "text", None, False),
+        (16, "python", None, True)]
+    assert console_commands(blocks[0].code) == ["moe-offload plan m \\\n      --offload-gb 1", "echo 'two'"]
+    # A marker applies only to the block right after it.
+    assert extract_blocks("<!-- not-run: x -->\n\nprose\n```bash\nls\n```\n")[0].not_run is None
+    two = extract_blocks("<!-- not-run: a -->\n```bash\nls\n```\n<!-- not-run: b -->\n```sh\nls\n```\n")
+    assert [b.not_run for b in two] == ["a", "b"]

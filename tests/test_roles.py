@@ -275,3 +275,41 @@ def test_unknown_family_is_noted_and_known_ones_are_not(write_config):
 def test_every_checked_family_is_known():
     assert set(MOE_FAMILIES + DENSE_FAMILIES) <= KNOWN_FAMILIES
     assert set(TINY) <= KNOWN_FAMILIES
+
+
+# ---------------------------------------------------------------------------------------
+# A fused expert parameter registered under the name `experts` itself (issue 7)
+
+
+@pytest.mark.parametrize("name, module_class, role", [
+    ("model.layers.0.mlp.experts", "FusedSparseMoeBlock", R),           # nn.Parameter registered as mlp.experts
+    ("model.layers.0.block_sparse_moe.experts", "SparseMoeBlock", R),
+    ("model.layers.0.mlp.shared_experts", "FusedSparseMoeBlock", S),    # the segment is shared_experts: shared
+    ("model.layers.0.mlp.expert", "FusedSparseMoeBlock", D),            # `expert` is not the segment `experts`
+])
+def test_a_parameter_named_experts_is_a_routed_expert(name, module_class, role):
+    assert classify(_rec(name, (4, 32, 16), module_class)) is role
+
+
+def test_budget_only_offloader_offloads_a_fused_experts_parameter_before_any_dense_tensor():
+    """Before the fix `mlp.experts` classified dense, and the Offloader spilled norms and attention first."""
+    import torch
+    import torch.nn as nn
+
+    from moe_offload import Offloader
+
+    def layers():
+        for _ in range(2):
+            layer = nn.Module()
+            layer.input_layernorm = nn.LayerNorm(32)                           # 2 x 32 x 4 B = 256 B
+            layer.self_attn = nn.Module()
+            layer.self_attn.q_proj = nn.Linear(32, 32, bias=False)             # 32 x 32 x 4 B = 4096 B
+            layer.mlp = nn.Module()
+            layer.mlp.experts = nn.Parameter(torch.zeros(4, 32, 16))            # 4 x 32 x 16 x 4 B = 8192 B
+            yield layer
+
+    off = Offloader(offload_gb=8192 / 2 ** 30, device="cpu")   # exactly one layer's experts
+    off.wrap_modules(layers())
+    off.finalize()
+    assert {n for n, tier in off.tiers().items() if tier == "host"} == {"0.mlp.experts"}
+    assert off.offloaded_bytes == 8192

@@ -1,6 +1,7 @@
 """Routed-expert tensors offloaded in part: the last experts of one fused tensor on the host, the first on the
 device, so the budget's overshoot is below one expert slice."""
 
+import dataclasses
 import json
 
 import pytest
@@ -51,8 +52,10 @@ def test_split_model_equals_transformers_and_sits_where_planned(folder, plans0, 
     model, plan = mo.load(folder, device="cpu", backend=backend, offload_gb=_split_budget(plans0) / GiB)
     runtime = model.moe_offload_runtime
     assert {t.name: t.host_experts for t in plan.tensors if t.host_experts} == {DOWN: 3}
-    part, resident = runtime.splits[DOWN]
-    assert resident == 3 and part.shape == (3, 32, 48) and not runtime.arena.owns(part)
+    split = runtime.splits[DOWN]
+    part = split.resident
+    assert split.host_ids == (3, 4, 5) and split.resident_ids == (0, 1, 2)
+    assert part.shape == (3, 32, 48) and not runtime.arena.owns(part)
     assert model.get_parameter(DOWN).shape == (3, 32, 48) and runtime.arena.owns(model.get_parameter(DOWN))
     assert runtime.arena.nbytes == plan.offloaded_bytes          # host memory: exactly the offloaded experts
     assert mo.audit(model, plan) == []
@@ -65,8 +68,8 @@ def test_split_model_equals_transformers_and_sits_where_planned(folder, plans0, 
 def test_audit_reports_a_missing_or_wrong_device_part(folder, plans0):
     model, plan = mo.load(folder, device="cpu", offload_gb=_split_budget(plans0) / GiB)
     runtime = model.moe_offload_runtime
-    part, resident = runtime.splits[DOWN]
-    runtime.splits[DOWN] = (part, resident + 1)
+    split = runtime.splits[DOWN]
+    runtime.splits[DOWN] = dataclasses.replace(split, host_ids=(2, 3, 4, 5))   # an index map the plan did not make
     assert [(m.name, m.planned) for m in mo.audit(model, plan)] == [(f"{DOWN}[:3]", "device")]
     del runtime.splits[DOWN]
     (mismatch,) = mo.audit(model, plan)
@@ -80,14 +83,14 @@ def test_transforms_and_updates_reach_both_parts(folder, plans0):
         before = model(ids).logits
     transpose = lambda name, w: w.transpose(-1, -2).contiguous()   # noqa: E731 - expert by expert
     mo.transform_weights(model, transpose, names=[DOWN])
-    part, _ = model.moe_offload_runtime.splits[DOWN]
+    part = model.moe_offload_runtime.splits[DOWN].resident
     assert part.shape == (3, 48, 32) and model.get_parameter(DOWN).shape == (3, 48, 32)
     mo.transform_weights(model, transpose, names=[DOWN])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
     full = torch.arange(EXPERTS * 32 * 48, dtype=torch.float32).view(EXPERTS, 32, 48)
     mo.update_weights(model, {DOWN: full})
-    part, _ = model.moe_offload_runtime.splits[DOWN]
+    part = model.moe_offload_runtime.splits[DOWN].resident
     assert torch.equal(part, full[:3]) and torch.equal(model.get_parameter(DOWN), full[3:])
     with pytest.raises(MoeOffloadError, match="shape"):
         mo.update_weights(model, {DOWN: full[:5]})
@@ -99,10 +102,8 @@ def test_wrap_modules_refuses_a_split_plan(folder, plans0):
         mo.Offloader(plan=plan)
 
 
-@pytest.mark.parametrize("bad", [-1, EXPERTS, EXPERTS + 3])
+@pytest.mark.parametrize("bad", [-1, EXPERTS + 3])   # EXPERTS: all experts, the whole tensor (test_subset.py)
 def test_plans_with_an_impossible_split_are_refused(folder, bad):
-    import dataclasses
-
     plan = mo.plan(folder, offload_gb=0)
     tensors = tuple(dataclasses.replace(t, tier="host", host_experts=bad) if t.name == DOWN else t
                     for t in plan.tensors)
@@ -111,8 +112,6 @@ def test_plans_with_an_impossible_split_are_refused(folder, bad):
 
 
 def test_a_split_of_a_tensor_that_is_not_a_routed_expert_is_refused(folder):
-    import dataclasses
-
     plan = mo.plan(folder, offload_gb=0)
     tensors = tuple(dataclasses.replace(t, tier="host", host_experts=2) if t.role == "embedding" else t
                     for t in plan.tensors)
@@ -123,8 +122,8 @@ def test_a_split_of_a_tensor_that_is_not_a_routed_expert_is_refused(folder):
 def test_audit_checks_the_device_part_shape(folder, plans0):
     model, plan = mo.load(folder, device="cpu", offload_gb=_split_budget(plans0) / GiB)
     runtime = model.moe_offload_runtime
-    part, resident = runtime.splits[DOWN]
-    runtime.splits[DOWN] = (part[:1], resident)     # a transform that lost experts
+    split = runtime.splits[DOWN]
+    runtime.splits[DOWN] = dataclasses.replace(split, resident=split.resident[:1])   # a transform that lost experts
     (mismatch,) = mo.audit(model, plan)
     assert mismatch.name == f"{DOWN}[:3]" and "shape [1, 32, 48]" in mismatch.actual
 
@@ -138,8 +137,6 @@ def test_audit_checks_the_device_part_shape(folder, plans0):
 ])
 def test_every_expert_tensor_split_equals_transformers(models, family, split_tensors, backend):
     """Split every routed-expert tensor (the last 2 of 6 experts on the host) whatever the checkpoint layout."""
-    import dataclasses
-
     folder = models[family]
     plan = mo.plan(folder, offload_gb=0)
     tensors = tuple(dataclasses.replace(t, tier="host", host_experts=2) if t.role == "routed_expert" else t

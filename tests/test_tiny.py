@@ -201,3 +201,54 @@ def test_family_specific_limits(tmp_path):
         make_tiny(tmp_path / "m", family="phimoe", top_k=3)
     with pytest.raises(ValueError, match="deepseek_v3"):
         make_tiny(tmp_path / "m", family="deepseek_v3", experts=1, top_k=1)
+
+
+def _unwritable_dir(tmp_path: Path) -> Path:
+    """A directory nothing can be created in: a read-only folder, or /sys for root (whom mode bits do not stop)."""
+    import os
+
+    if os.geteuid() == 0:
+        return Path("/sys")
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o500)
+    return folder
+
+
+@pytest.fixture
+def never_built(monkeypatch):
+    """make_tiny must refuse its target before building anything (the tokenizer is trained first)."""
+    from moe_offload import tiny
+
+    def built(*args, **kwargs):
+        raise AssertionError("make_tiny started building before refusing its target")
+
+    monkeypatch.setattr(tiny, "_build_tokenizer", built)
+
+
+@pytest.mark.parametrize("where", ["unwritable", "unwritable-nested", "through-a-file"])
+def test_target_that_cannot_be_written_is_refused_first(tmp_path, never_built, where):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    target = {"unwritable": _unwritable_dir(tmp_path) / "m", "unwritable-nested": _unwritable_dir(tmp_path) / "a" / "m",
+              "through-a-file": blocker / "sub" / "m"}[where]
+    expected = NotADirectoryError if where == "through-a-file" else PermissionError
+    with pytest.raises(expected, match="cannot write a tiny model to .*Fix:") as err:
+        make_tiny(target, family="qwen3_moe")
+    assert err.value.errno is None                  # our message, not a raw OSError
+    assert ("is a file" if where == "through-a-file" else "nothing can be created") in str(err.value)
+    assert blocker.read_text() == "not a folder"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "read-only") == ["a-file"]
+
+
+@pytest.mark.parametrize("where", ["unwritable", "through-a-file", "a-file"])
+def test_make_tiny_cli_unwritable_path_is_one_error_line(tmp_path, capsys, never_built, where):
+    from moe_offload.cli import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    target = {"unwritable": _unwritable_dir(tmp_path) / "x", "through-a-file": blocker / "x", "a-file": blocker}[where]
+    assert main(["make-tiny", str(target), "--family", "qwen3_moe"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("error: cannot write a tiny model to") and captured.err.count("\n") == 1
+    assert "Errno" not in captured.err and "Fix:" in captured.err

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .errors import (AuditError, BudgetError, CheckpointError, ConfigError, DeviceError, MoeOffloadError,
-                     SelectorError)
+                     PlanMismatchError, SelectorError, TraceError)
 from .inventory import Inventory, TensorRecord
 from .offloader import Offloader
 from .planner import Plan, PlannedTensor, Policy, Tier
@@ -55,22 +55,27 @@ def audit(model, plan: Plan):
 
 
 def plan(source, *, offload_gb: float | None = None, device_memory_gb: float | None = None,
-         reserve_gb: float | None = None, policy: str = "sparse-first", offload_params: Sequence[str] | None = None,
-         dtype: str | None = None, batch: int = 1) -> Plan:
+         reserve_gb: float | None = None, policy: str = "sparse-first",
+         offload_params: str | Sequence[str] | None = None, dtype: str | None = None, batch: int = 1,
+         stats=None) -> Plan:
     """Plan where every weight of a model lives.
 
     `source`: a model folder (its safetensors headers give real dtypes and bytes), a
     config.json path, or an nn.Module (meta or real). No tensor data is read.
+    `offload_params`: one selector (a string) or several.
+    `stats` (with policy="frequency"): layer -> decode-token picks per expert, e.g.
+    `moe_offload.traces.expert_counts(moe_offload.traces.read_trace(path))`.
     """
     from . import planner
     from .inventory import inventory
 
     inv = inventory(source, dtype=dtype)
     return planner.plan(inv, offload_gb=offload_gb, device_memory_gb=device_memory_gb, reserve_gb=reserve_gb,
-                        policy=policy, offload_params=offload_params, batch=batch)
+                        policy=policy, offload_params=offload_params, batch=batch, stats=stats)
 
 
 __all__ = [
     "plan", "load", "audit", "Offloader", "transform_weights", "update_weights", "Plan", "PlannedTensor", "Policy", "Tier", "Role", "Inventory", "TensorRecord",
     "MoeOffloadError", "ConfigError", "CheckpointError", "BudgetError", "SelectorError", "DeviceError", "AuditError",
+    "TraceError", "PlanMismatchError",
 ]

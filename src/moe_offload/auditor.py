@@ -48,14 +48,35 @@ def audit(model: nn.Module, plan: Plan) -> list[Mismatch]:
         actual = actual_tier(live, arena, device)
         if actual != t.tier:
             out.append(Mismatch(t.name, t.tier, actual, t.offloaded_bytes or t.bytes))
-        if t.host_experts:  # split: the model holds the host part; the first experts must be on the device
-            splits = runtime.splits if runtime is not None else {}
-            part = splits.get(t.name, (None, 0))[0]
-            where = "missing" if part is None else actual_tier(part, arena, device)
-            if part is not None and (tuple(part.shape[1:]) != tuple(live.shape[1:]) or part.dtype != live.dtype
-                                     or part.shape[0] != t.resident_experts):
-                where = f"a part of shape {list(part.shape)}, {part.dtype}"   # no longer one tensor with the host part
-            if where != Tier.DEVICE.value or splits[t.name][1] != t.resident_experts:
-                out.append(Mismatch(f"{t.name}[:{t.resident_experts}]", Tier.DEVICE.value, where,
-                                    t.bytes - t.offloaded_bytes))
+        ids = t.host_ids
+        if ids and len(ids) < t.shape[0]:
+            out += _audit_split(t, live, runtime, arena, device)
     return out
+
+
+def _stack_label(name: str, ids: tuple[int, ...]) -> str:
+    """`name[:3]` for experts 0..2, else `name[[0, 3, 5]]`: the experts of one stack, as an index."""
+    return f"{name}[:{len(ids)}]" if ids == tuple(range(len(ids))) else f"{name}[{list(ids)}]"
+
+
+def _audit_split(t, live, runtime, arena, device) -> list[Mismatch]:
+    """A tensor split between tiers: the model holds the host stack (checked above by address); the
+    resident stack must be one device tensor of the other experts, and the index map the plan's."""
+    experts = t.shape[0]
+    resident_ids = tuple(e for e in range(experts) if e not in set(t.host_ids))
+    label = _stack_label(t.name, resident_ids)
+    resident_bytes = t.bytes // experts * len(resident_ids)
+    split = (runtime.splits if runtime is not None else {}).get(t.name)
+    if split is None:
+        return [Mismatch(label, Tier.DEVICE.value, "missing", resident_bytes)]
+    part = split.resident
+    if tuple(split.host_ids) != tuple(t.host_ids) or split.num_experts != experts:
+        return [Mismatch(label, Tier.DEVICE.value, f"an index map with host experts {list(split.host_ids)} of "
+                         f"{split.num_experts}", resident_bytes)]
+    if (tuple(part.shape[1:]) != tuple(live.shape[1:]) or part.dtype != live.dtype
+            or part.shape[0] != len(resident_ids) or live.shape[0] != len(t.host_ids)):
+        # no longer two stacks of one tensor's experts
+        return [Mismatch(label, Tier.DEVICE.value, f"a part of shape {list(part.shape)}, {part.dtype} beside a "
+                         f"host stack of shape {list(live.shape)}", resident_bytes)]
+    where = actual_tier(part, arena, device)
+    return [] if where == Tier.DEVICE.value else [Mismatch(label, Tier.DEVICE.value, where, resident_bytes)]

@@ -190,8 +190,11 @@ def _measure(model, enc, runs: int, max_new_tokens: int, device: torch.device, d
 
 # --- read-back -----------------------------------------------------------------------------
 
-def applied_settings(model, plan) -> dict:
-    """The plan as it actually lies in memory: what the host arena holds, by role, and by name."""
+def applied_settings(model, plan, *, resident: bool = False) -> dict:
+    """The plan as it actually lies in memory: what the host arena holds, by role, and by name.
+
+    `resident`: the arm loaded at a zero budget, whose plan carries the default policy's name although no
+    policy chose anything; it is reported as policy "resident" once the arena confirms it holds nothing."""
     rt = model.moe_offload_runtime
     role_of = {t.name: t.role for t in plan.tensors}
     by_role: dict[str, int] = defaultdict(int)
@@ -202,7 +205,7 @@ def applied_settings(model, plan) -> dict:
             by_role[role_of.get(name, "other")] += t.numel() * t.element_size()
             names.append(name)
     out = {
-        "policy": plan.policy,
+        "policy": "resident" if resident and not names else plan.policy,
         "offload_params": list(plan.offload_params),
         "budget_bytes": plan.budget_bytes,
         "backend": rt.backend,
@@ -229,7 +232,7 @@ def device_resident_bytes(model) -> int:
             total += t.numel() * t.element_size()
     # The device experts of tensors split between tiers, and the prefetch backend's staging buffers
     # (reused device copies of offloaded weights).
-    staging = [part for part, _ in rt.splits.values()] + list(getattr(rt, "_staging", {}).values())
+    staging = [split.resident for split in rt.splits.values()] + list(getattr(rt, "_staging", {}).values())
     dense = getattr(rt, "_dense", None)
     staging += [b for b in getattr(dense, "ring", []) if b is not None]
     return total + sum(b.numel() * b.element_size() for b in staging)
@@ -258,7 +261,7 @@ def _row(arm: Arm, c: int, runs: list[_Run], model, plan, *, prompts: list[str],
         device_bytes = torch.cuda.max_memory_allocated(rt.device)
     else:
         device_bytes = device_resident_bytes(model)
-    settings = applied_settings(model, plan)
+    settings = applied_settings(model, plan, resident=arm.policy is None)
     row = {
         "arm": arm.name,
         "concurrency": c,
@@ -384,6 +387,15 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str = DEFAULT_ARMS,
     dev = resolve_device(device)
     console = Console(stderr=True)
     log = log or (lambda msg: console.print(msg, markup=False, highlight=False))
+    if device_memory_gb is not None:
+        from .planner import DEFAULT_RESERVE_GB
+
+        fit = make_plan(folder, dtype=dtype, **budget)
+        if not fit.offloaded_bytes:  # as `plan` says it: every arm then measures the same unoffloaded model
+            reserve = reserve_gb if reserve_gb is not None else DEFAULT_RESERVE_GB
+            log(f"note: the model fits: {format_bytes(fit.total_bytes)} of weights + {reserve:g} GiB reserve <= "
+                f"{device_memory_gb:g} GiB of device memory, so no arm offloads anything; give a smaller "
+                "--device-memory (or --offload-gb X) to compare offloading")
 
     # Plan every arm first (no tensor data): a bad selector or budget fails before anything runs.
     active: list[Arm] = []

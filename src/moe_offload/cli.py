@@ -1,4 +1,7 @@
-"""The `moe-offload` command. The contract is ../shared/CLI.md: extend it, never break it.
+"""moe-offload: plan, load, run and benchmark MoE models whose weights do not fit on the accelerator.
+
+The first line is also `moe-offload --help`'s description. Commands, options and JSON fields are a
+stable contract (CLI.md in the project's design notes): extend them, never break them.
 
 Human output goes to the terminal; `--json` prints one JSON document on stdout and nothing
 else there. A user error exits with status 2 and one `error:` line on stderr.
@@ -9,7 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
+import tempfile
 from pathlib import Path
 
 from .errors import MoeOffloadError
@@ -21,8 +26,13 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _budget_options(p: argparse.ArgumentParser) -> None:
+def _budget_options(p: argparse.ArgumentParser, *, policy_options: bool = True, oracle: bool = False) -> None:
+    """`policy_options=False` (bench, whose --arms choose the policy): --policy and --offload-params are
+    left out of --help and parse only so that the command can refuse them with a pointer to --arms."""
     from .planner import DEFAULT_RESERVE_GB
+
+    def shown(text: str) -> str:
+        return text if policy_options else argparse.SUPPRESS
 
     g = p.add_argument_group("budget")
     g.add_argument("--offload-gb", type=float, metavar="X",
@@ -31,12 +41,19 @@ def _budget_options(p: argparse.ArgumentParser) -> None:
                    help="the accelerator has X GiB: offload the least that makes weights + reserve fit")
     g.add_argument("--reserve-gb", type=float, metavar="X",
                    help=f"with --device-memory: room kept for activations and KV cache (default {DEFAULT_RESERVE_GB})")
-    g.add_argument("--policy", default="sparse-first", choices=["sparse-first", "declaration"],
-                   help="sparse-first: by access density, routed experts before dense, globally (default); "
-                        "declaration: module declaration order (the legacy behaviour of today's engines)")
+    g.add_argument("--policy", default="sparse-first" if policy_options else None,
+                   choices=["sparse-first", "declaration", "frequency", *(["oracle"] if oracle else [])],
+                   help=shown("sparse-first: by access density, routed experts before dense, globally (default); "
+                              "declaration: module declaration order (the legacy behaviour of today's engines); "
+                              "frequency: expert by expert, least picked first, from --stats"
+                              + ("; oracle: frequency with statistics from --trace itself (a floor)" if oracle
+                                 else "")))
+    g.add_argument("--stats", nargs="+", metavar="TRACE",
+                   help=shown("with --policy frequency: routing traces (`moe-offload profile`) whose decode tokens "
+                              "give each expert's pick frequency"))
     g.add_argument("--offload-params", nargs="+", metavar="SEG",
-                   help="only tensors whose name contains one of these whole dot-separated segment sequences "
-                        "are eligible (`experts` matches `...mlp.experts.down_proj`)")
+                   help=shown("only tensors whose name contains one of these whole dot-separated segment "
+                              "sequences are eligible (`experts` matches `...mlp.experts.down_proj`)"))
     g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
                    help="the dtype weights are held in (default: the checkpoint's; from config.json alone, the "
                         "config's own and its quantization_config)")
@@ -44,7 +61,25 @@ def _budget_options(p: argparse.ArgumentParser) -> None:
 
 def _budget_kwargs(args) -> dict:
     return dict(offload_gb=args.offload_gb, device_memory_gb=args.device_memory, reserve_gb=args.reserve_gb,
-                policy=args.policy, offload_params=args.offload_params)
+                policy=args.policy, offload_params=args.offload_params, stats=_stats(args.stats))
+
+
+def _stats(paths, check=None) -> dict | None:
+    """--stats TRACE...: decode-token picks per expert per layer, summed over the traces (each passed to
+    `check` first, when given)."""
+    if not paths:
+        return None
+    from .errors import TraceError
+    from .traces import expert_counts, read_trace
+
+    traces = [read_trace(path) for path in paths]
+    for trace in traces if check else ():
+        check(trace)
+    counts = expert_counts(traces)
+    if not any(sum(c) for c in counts.values()):
+        raise TraceError(f"--stats {' '.join(paths)}: no decode tokens in these traces, so there are no routing "
+                         "statistics; profile with --max-new-tokens of at least 2")
+    return counts
 
 
 def _model_path(value: str) -> Path:
@@ -87,11 +122,14 @@ def _runtime_options(p: argparse.ArgumentParser) -> None:
 def load_for_cli(args, **extra):
     """Load MODEL with the command's budget and runtime options; returns (model, plan, tokenizer)."""
     from . import load
+    from .inventory import read_config
     from .loader import load_tokenizer
 
     folder = _model_path(args.model)
     if not folder.is_dir():
         raise MoeOffloadError(f"{folder} is a file: generate and bench need the model folder (weights + tokenizer)")
+    # The config first: AutoTokenizer reads config.json too, and would report a broken one as a broken tokenizer.
+    read_config(folder)
     tokenizer = load_tokenizer(folder)
     model, plan = load(folder, device=args.device, backend=args.backend, dtype=args.dtype,
                        progress=not getattr(args, "json", False) and sys.stderr.isatty(), **_budget_kwargs(args),
@@ -108,6 +146,10 @@ def cmd_generate(args) -> int:
 
     if args.max_new_tokens < 1:
         raise MoeOffloadError(f"--max-new-tokens {args.max_new_tokens}: give at least 1")
+    if not args.prompt:
+        # The tokenizer would still give the BOS token, and the model would continue from nothing.
+        raise MoeOffloadError('--prompt "" is empty: there is no text to continue; give the text to continue, '
+                              'e.g. --prompt "The river"')
     model, plan, tokenizer = load_for_cli(args)
     runtime = model.moe_offload_runtime
     enc = tokenizer(args.prompt, return_tensors="pt").to(runtime.device)
@@ -157,18 +199,18 @@ def cmd_bench(args) -> int:
     from .plots import plot
     from .report import print_table
 
-    if args.policy is not None or args.offload_params:
-        raise MoeOffloadError("bench compares policies through --arms, not --policy / --offload-params: "
+    if args.policy is not None or args.offload_params or args.stats:
+        raise MoeOffloadError("bench compares policies through --arms, not --policy / --offload-params / --stats: "
                               "use e.g. --arms declaration,sparse-first,explicit:experts")
     arms = parse_arms(args.arms or DEFAULT_ARMS)
     levels = parse_concurrency(args.concurrency or DEFAULT_CONCURRENCY)
     folder = _model_path(args.model)
     # Fail before the long run, not after it, when an output cannot be written.
-    for out in (args.json, args.plot):
-        if out and out != "-" and not Path(out).parent.is_dir():
-            raise MoeOffloadError(f"cannot write {out}: the folder {Path(out).parent} does not exist; create it first")
     if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
         raise MoeOffloadError(f"--plot {args.plot}: name a .png (or .svg, .pdf) file")
+    for option, out in (("--json", args.json), ("--plot", args.plot)):
+        if out and out != "-":
+            _check_writable(Path(out), option)
     prompts = read_prompts(args.prompts) if args.prompts else None
     rows = run_bench(folder, arms=arms, concurrency=levels, runs=args.runs, max_new_tokens=args.max_new_tokens,
                      offload_gb=args.offload_gb, device_memory_gb=args.device_memory, reserve_gb=args.reserve_gb,
@@ -197,16 +239,160 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_replay(args) -> int:
+    from . import planner
+    from .inventory import inventory
+    from .planner import Plan, format_bytes
+    from .replay import replay
+    from .traces import check_trace_matches, expert_counts, read_trace
+
+    path = _model_path(args.model)
+    trace = read_trace(args.trace)
+    budget = dict(offload_gb=args.offload_gb, device_memory_gb=args.device_memory, reserve_gb=args.reserve_gb)
+    if args.plan:
+        given = [opt for opt, v in (("--offload-gb", args.offload_gb), ("--device-memory", args.device_memory),
+                                    ("--reserve-gb", args.reserve_gb), ("--offload-params", args.offload_params),
+                                    ("--stats", args.stats), ("--dtype", args.dtype)) if v is not None]
+        if given or args.policy != "sparse-first":
+            raise MoeOffloadError(f"--plan and {', '.join(given) or '--policy'} both decide the placement: give "
+                                  "--plan alone, or budget options without it")
+        try:
+            plan = Plan.from_json(Path(args.plan).read_text())
+        except OSError as exc:
+            raise MoeOffloadError(f"cannot read --plan {args.plan}: {exc.strerror}; save one with `moe-offload "
+                                  "plan MODEL --save PLAN.json`") from exc
+    else:
+        inv = inventory(path, dtype=args.dtype)
+        layers = planner.routed_layers(inv)
+
+        def check(t):
+            check_trace_matches(t, num_experts=inv.num_experts, layers=layers, where=f"the {inv.model_type} model "
+                                f"{path}")
+
+        check(trace)
+        policy, stats = args.policy, _stats(args.stats, check)
+        if policy == "oracle":
+            if args.stats:
+                raise MoeOffloadError("--policy oracle takes its statistics from --trace itself: drop --stats, or "
+                                      "use --policy frequency --stats TRACE")
+            policy, stats = "frequency", expert_counts(trace)
+        plan = planner.plan(inv, policy=policy, offload_params=args.offload_params, stats=stats, **budget)
+    result = replay(plan, trace, cache_gb=args.cache_gb, cache_policy=args.cache_policy,
+                    policy="oracle" if args.policy == "oracle" else None)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0
+    cache = (f"{result.cache_policy} cache of {format_bytes(result.cache_bytes)}: {result.cache_hits} hits, "
+             f"{result.cache_misses} misses" if result.cache_policy else "no cache")
+    print(f"{result.tokens} decode tokens of {args.trace} under {result.policy} "
+          f"({format_bytes(result.offloaded_bytes)} offloaded), {cache}")
+    print(f"link bytes per decoded token: {format_bytes(result.link_bytes_per_token)} "
+          f"({result.expert_reads} expert reads over the link; the plan expected "
+          f"{format_bytes(plan.link_bytes_per_token(1))} per token)")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from .bench import read_prompts
+    from .profile import print_summary, profile
+
+    folder = _model_path(args.model)
+    if not folder.is_dir():
+        raise MoeOffloadError(f"{folder} is a file: profile needs the model folder (weights + tokenizer)")
+    prompts = read_prompts(args.prompts) if args.prompts else None
+    result = profile(folder, args.out, prompts=prompts, max_new_tokens=args.max_new_tokens,
+                     ignore_eos=args.ignore_eos, device=args.device, dtype=args.dtype)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print_summary(result)
+    return 0
+
+
+def cmd_export(args) -> int:
+    from . import plan as make_plan
+    from .export import export
+    from .inventory import inventory, read_config
+    from .planner import Plan, format_bytes
+
+    path = _model_path(args.model)
+    config = read_config(path)
+    if args.plan:
+        given = [opt for opt, v in (("--offload-gb", args.offload_gb), ("--device-memory", args.device_memory),
+                                    ("--reserve-gb", args.reserve_gb), ("--offload-params", args.offload_params),
+                                    ("--stats", args.stats), ("--dtype", args.dtype), ("--batch", args.batch))
+                 if v is not None]
+        if given or args.policy != "sparse-first":
+            raise MoeOffloadError(f"--plan and {', '.join(given) or '--policy'} both decide the placement: give "
+                                  "--plan alone, or budget options without it")
+        try:
+            plan = Plan.from_json(Path(args.plan).read_text())
+        except OSError as exc:
+            raise MoeOffloadError(f"cannot read --plan {args.plan}: {exc.strerror}; save one with `moe-offload "
+                                  "plan MODEL --save PLAN.json`") from exc
+        names = {r.name for r in inventory(path).records}
+        stray = [t.name for t in plan.tensors if t.name not in names]
+        if plan.model_type != config.model_type or stray:
+            why = (f"it is a {plan.model_type} plan" if plan.model_type != config.model_type else
+                   f"{len(stray)} of its tensors (e.g. {stray[0]}) are not in the model")
+            raise MoeOffloadError(f"--plan {args.plan} is not a plan of {path}: {why}; plan this model with "
+                                  f"`moe-offload plan {args.model} --save PLAN.json`")
+    else:
+        plan = make_plan(path, dtype=args.dtype, batch=args.batch or 1, **_budget_kwargs(args))
+    text = getattr(config, "text_config", None) or config
+    result = export(plan, args.engine, device_memory_gb=args.device_memory, reserve_gb=args.reserve_gb,
+                    max_position_embeddings=getattr(text, "max_position_embeddings", None))
+    model = str(path.parent if path.is_file() else path)
+    if args.json:
+        print(json.dumps(result.to_dict(model)))
+        return 0
+    print(result.command(model))
+    for note in result.notes:
+        print(f"- {note}")
+    print(f"-- {'the plan exactly' if result.expressible else 'the closest placement ' + args.engine + ' can apply'}: "
+          f"{format_bytes(result.link_bytes_per_token)} over the link per decoded token, "
+          f"{format_bytes(result.placement.offloaded_bytes)} offloaded (the plan: "
+          f"{format_bytes(plan.link_bytes_per_token())}, {format_bytes(plan.offloaded_bytes)})")
+    return 0
+
+
 def cmd_make_tiny(args) -> int:
     from .tiny import make_tiny
 
     try:
         out = make_tiny(args.dir, family=args.family, layers=args.layers, experts=args.experts, top_k=args.top_k,
-                        hidden=args.hidden, seed=args.seed, dtype=args.dtype)
-    except (ValueError, FileExistsError) as exc:
+                        hidden=args.hidden, seed=args.seed, dtype=args.dtype, quant=args.quant)
+    except ValueError as exc:
         raise MoeOffloadError(str(exc)) from exc
+    except OSError as exc:
+        if exc.errno is None:  # make_tiny's own refusal (target checked before building): its message says it all
+            raise MoeOffloadError(str(exc)) from exc
+        raise MoeOffloadError(f"cannot write a tiny model to {args.dir}: {exc.strerror} ({exc.filename}); "
+                              "choose a new or empty directory you can write to") from exc
     print(f"wrote a tiny {args.family} model to {out}")
     return 0
+
+
+def _check_writable(path: Path, option: str) -> None:
+    """Refuse an output file that could not be written: a directory, or a folder missing or not writable.
+
+    Writability is probed by creating (and removing) a file there: permission bits say nothing for root,
+    nor on read-only or virtual file systems."""
+    if path.is_dir():
+        example = path / ("bench.json" if option == "--json" else "bench.png")
+        raise MoeOffloadError(f"{option} {path} is a directory: name a file to write, e.g. {example}")
+    folder = path.parent
+    if not folder.is_dir():
+        why = "is not a folder" if folder.exists() else "does not exist"
+        raise MoeOffloadError(f"cannot write {option} {path}: {folder} {why}; create the folder first or choose "
+                              "another path")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.probe", dir=folder)
+    except OSError as exc:
+        raise MoeOffloadError(f"cannot write {option} {path}: the folder {folder} is not writable ({exc.strerror}); "
+                              "choose a folder you can write to") from exc
+    os.close(fd)
+    os.unlink(probe)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -247,9 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("model", help="model folder (config.json, safetensors, tokenizer)")
     b.add_argument("--arms",
                    help="comma-separated: resident (offload nothing; skipped when it does not fit), declaration, "
-                        "sparse-first, explicit:SEG[+SEG...] (default: resident,declaration,sparse-first)")
-    _budget_options(b)
-    b.set_defaults(policy=None)  # arms choose the policy; an explicit --policy is refused
+                        "sparse-first, explicit:SEG[+SEG...] (default: resident,declaration,sparse-first); "
+                        "the arms choose the policy and selectors, so bench takes no --policy / --offload-params")
+    _budget_options(b, policy_options=False)  # arms choose the policy; an explicit --policy is refused
     _runtime_options(b)
     b.add_argument("--concurrency", metavar="C,C",
                    help="sequences decoded together, one row per level (default 1,4)")
@@ -267,6 +453,42 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", metavar="FILE.png", help="write a two-panel chart: tok/s and link bytes per token")
     b.set_defaults(func=cmd_bench)
 
+    r = sub.add_parser("replay", help="bytes a placement (and cache) would read for a routing trace, without "
+                                      "running the model")
+    r.add_argument("model", help="model folder or config.json path (tensor sizes only)")
+    r.add_argument("--trace", required=True, metavar="TRACE", help="routing trace whose decode tokens are replayed")
+    _budget_options(r, oracle=True)
+    r.add_argument("--plan", metavar="PLAN.json", help="replay this saved plan instead of planning from the options")
+    r.add_argument("--cache-gb", type=float, metavar="X", help="device-side expert cache of X GiB (default: none)")
+    r.add_argument("--cache-policy", metavar="P", help="lru, lfu, ..., or belady (the offline optimum)")
+    r.add_argument("--json", action="store_true", help="print the result as one JSON document")
+    r.set_defaults(func=cmd_replay)
+
+    from .export import ENGINES
+
+    x = sub.add_parser("export", help="the command-line options that make vLLM, SGLang or llama.cpp apply the plan "
+                                      "(or the closest placement they can)")
+    x.add_argument("model", help="model folder or config.json path")
+    x.add_argument("--engine", required=True, choices=ENGINES, help="the engine to export for")
+    _budget_options(x)
+    x.add_argument("--batch", type=int, help="sequences decoded together, for link bytes (default 1)")
+    x.add_argument("--plan", metavar="PLAN.json", help="export this saved plan instead of planning from the options")
+    x.add_argument("--json", action="store_true", help="print the result as one JSON document")
+    x.set_defaults(func=cmd_export)
+
+    pr = sub.add_parser("profile", help="record which experts the routers pick, token by token, as a trace")
+    pr.add_argument("model", help="model folder (config.json, safetensors, tokenizer)")
+    pr.add_argument("--out", required=True, metavar="TRACE", help="the trace file to write (JSON Lines, CLI.md)")
+    pr.add_argument("--prompts", metavar="FILE", help="one prompt per line (default: the built-in varied prompts)")
+    pr.add_argument("--max-new-tokens", type=int, default=32,
+                    help="decode tokens recorded per prompt, each run through the model (default 32)")
+    pr.add_argument("--ignore-eos", action="store_true", help="always record --max-new-tokens decode tokens")
+    pr.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: the accelerator when there is one, else cpu)")
+    pr.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="the dtype weights are held in "
+                    "(default: the checkpoint's)")
+    pr.add_argument("--json", action="store_true", help="print the per-layer skew summary as one JSON document")
+    pr.set_defaults(func=cmd_profile)
+
     t = sub.add_parser("make-tiny", help="write a small random-weight model folder")
     t.add_argument("dir")
     t.add_argument("--family", required=True)
@@ -275,10 +497,34 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--top-k", type=int, default=2)
     t.add_argument("--hidden", type=int, default=64)
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
-                   help="dtype of the saved weights (default float32)")
+    t.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
+                   help="dtype of the saved (unquantized) weights (default float32; bfloat16 with --quant, as the "
+                        "released quantized checkpoints store them)")
+    t.add_argument("--quant", choices=["fp8", "mxfp4"],
+                   help="write the checkpoint quantized, in the released on-disk format: fp8 (e4m3 + "
+                        "weight_scale_inv block scales, as DeepSeek-V3 / Qwen3-FP8) or mxfp4 (gpt-oss experts)")
     t.set_defaults(func=cmd_make_tiny)
     return parser
+
+
+# The library's errors name Python arguments (`offload_gb=5`, `offload_params`); here the user typed flags.
+_FLAGS = {"offload_gb": "--offload-gb", "device_memory_gb": "--device-memory", "reserve_gb": "--reserve-gb",
+          "offload_params": "--offload-params", "batch": "--batch", "policy": "--policy", "dtype": "--dtype"}
+
+
+def _as_flags(message: str) -> str:
+    """`offload_gb=5` -> `--offload-gb 5`, `offload_params` -> `--offload-params`.
+
+    A plain word ("batch", "policy") is an argument only when written `word=`; a name with an underscore
+    always is (prose has none).
+    """
+    def flag(m: re.Match) -> str:
+        name, eq = m.group(1), m.group(2)
+        if not eq and "_" not in name:
+            return m.group(0)
+        return _FLAGS[name] + (" " if eq else "")
+
+    return re.sub(r"\b(" + "|".join(_FLAGS) + r")\b(=?)", flag, message)
 
 
 def main(argv=None) -> int:
@@ -288,7 +534,7 @@ def main(argv=None) -> int:
     try:
         return args.func(args)
     except MoeOffloadError as exc:
-        message = " ".join(str(exc).split())
+        message = _as_flags(" ".join(str(exc).split()))
         sys.stderr.write(f"error: {message}\n")
         return 2
 

@@ -20,12 +20,20 @@ class CheckpointError(MoeOffloadError):
     """A checkpoint that does not match its config: missing shard or key, shape or dtype mismatch, truncation."""
 
 
+class PlanMismatchError(MoeOffloadError):
+    """A plan applied to a model it was not made for: other tensor names, shapes or dtypes."""
+
+
 class BudgetError(MoeOffloadError):
     """A budget that cannot be met: negative, larger than what may be offloaded, or too small to fit."""
 
 
 class SelectorError(MoeOffloadError):
     """`offload_params` selectors that match nothing, or options that contradict each other."""
+
+
+class TraceError(MoeOffloadError):
+    """A routing trace that is malformed (file and line named) or does not match the model it is used with."""
 
 
 class DeviceError(MoeOffloadError):

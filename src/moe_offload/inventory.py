@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from .config_check import EXPERT_FIELDS, TOPK_FIELDS, check_built, check_config, check_raw
 from .errors import CheckpointError, ConfigError
 
 # Segments that hold numbered layers, and segments that mark a non-language tower.
@@ -30,9 +31,9 @@ _TOWERS = {
                "multi_modal_projector", "mm_projector", "vision_projector"},
     "audio": {"audio_tower", "audio_model", "audio_encoder", "audio"},
 }
-# Config fields that name the routed-expert count and top-k, across families.
-_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-_TOPK_FIELDS = ("num_experts_per_tok", "moe_topk", "experts_per_token", "top_k")
+# Config fields that name the routed-expert count and top-k, across families (config_check owns the list).
+_EXPERT_FIELDS = EXPERT_FIELDS
+_TOPK_FIELDS = TOPK_FIELDS
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
                "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 # Bytes per element of the dtypes a safetensors header can name.
@@ -118,9 +119,11 @@ def routing_of(config) -> tuple[int | None, int | None]:
 
 
 def read_config(source) -> "object":
-    """A transformers config from a folder or a config.json path. Never touches a hub."""
-    from transformers import AutoConfig, CONFIG_MAPPING
+    """A transformers config from a folder or a config.json path. Never touches a hub.
 
+    The fields that size the model are checked before transformers sees them, and again once it has
+    filled in its defaults (config_check): a malformed config is a ConfigError before anything is built.
+    """
     path = Path(source)
     cfg_path = path / "config.json" if path.is_dir() else path
     if not cfg_path.is_file():
@@ -131,16 +134,22 @@ def read_config(source) -> "object":
         raise ConfigError(f"{cfg_path} is not valid JSON ({exc}); fix or re-download the file") from exc
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise ConfigError(f"{cfg_path} has no 'model_type'; it is not a Hugging Face model config")
+    check_raw(raw, cfg_path)
+    from transformers import AutoConfig, CONFIG_MAPPING
+
     model_type = raw["model_type"]
     try:
         if model_type in CONFIG_MAPPING:
-            return AutoConfig.from_pretrained(str(cfg_path.parent), local_files_only=True)
-        # Configs such as Kimi-K2's name a custom model_type but an architecture transformers has.
-        return _config_from_architecture(raw, cfg_path)
+            config = AutoConfig.from_pretrained(str(cfg_path.parent), local_files_only=True)
+        else:
+            # Configs such as Kimi-K2's name a custom model_type but an architecture transformers has.
+            config = _config_from_architecture(raw, cfg_path)
     except ConfigError:
         raise
     except Exception as exc:  # transformers raises many types for malformed configs
         raise ConfigError(f"{cfg_path}: transformers cannot read this config ({type(exc).__name__}: {exc})") from exc
+    check_config(config, cfg_path, raw)
+    return config
 
 
 def _config_from_architecture(raw: dict, cfg_path: Path):
@@ -152,6 +161,7 @@ def _config_from_architecture(raw: dict, cfg_path: Path):
             fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map", "architectures")}
             config = cls.config_class(**fields)
             config.architectures = [arch]
+            config.name_or_path = str(cfg_path.parent)  # what from_pretrained records: errors name the folder
             config._moe_offload_note = (
                 f"model_type {raw['model_type']!r} is not a transformers family; built as {arch} "
                 "(the architecture its config names), without the checkpoint's custom code"
@@ -163,18 +173,44 @@ def _config_from_architecture(raw: dict, cfg_path: Path):
     )
 
 
-def _storage_dtype(config, dtype: str | None) -> torch.dtype:
-    if dtype is not None:
-        if dtype not in DTYPE_NAMES:
-            raise ConfigError(f"unknown dtype {dtype!r}: use bf16, fp16 or fp32")
-        return getattr(torch, DTYPE_NAMES[dtype])
+def _config_dtype(config) -> torch.dtype | None:
     for cfg in (config, _text_config(config)):
         value = getattr(cfg, "dtype", None)  # transformers 5 maps the deprecated torch_dtype here
         if isinstance(value, torch.dtype):
             return value
         if isinstance(value, str) and hasattr(torch, value):
             return getattr(torch, value)
-    return torch.float32
+    return None
+
+
+def _quantization_method(config) -> str | None:
+    qc = getattr(config, "quantization_config", None) or getattr(_text_config(config), "quantization_config", None)
+    if qc is None:
+        return None
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    return str(qc.get("quant_method", "quantized"))
+
+
+def _storage_dtype(config, dtype: str | None) -> torch.dtype:
+    if dtype is not None:
+        if dtype not in DTYPE_NAMES:
+            raise ConfigError(f"unknown dtype {dtype!r}: use bf16, fp16 or fp32")
+        return getattr(torch, DTYPE_NAMES[dtype])
+    found = _config_dtype(config)
+    if found is not None:
+        return found
+    # Quantized releases (gpt-oss MXFP4, DeepSeek/Qwen FP8 blocks) store every tensor they do not quantize in
+    # bf16; their config.json may name no dtype (the note of _assumed_dtype_note says so in the plan).
+    return torch.bfloat16 if _quantization_method(config) is not None else torch.float32
+
+
+def _assumed_dtype_note(config, dtype: str | None) -> str | None:
+    method = _quantization_method(config)
+    if dtype is not None or method is None or _config_dtype(config) is not None:
+        return None
+    return (f"config.json names no dtype (torch_dtype/dtype); its quantization_config ({method}) marks a quantized "
+            "release, which stores its unquantized tensors in bfloat16: planned them as bfloat16 (--dtype / "
+            "dtype= plans another)")
 
 
 def build_meta_model(config, dtype: torch.dtype | None = None, *, device: str = "meta") -> nn.Module:
@@ -192,10 +228,28 @@ def build_meta_model(config, dtype: torch.dtype | None = None, *, device: str = 
     with torch.device(device):
         for auto in classes:
             try:
-                return auto.from_config(config, dtype=dtype)
-            except ValueError as exc:  # "Unrecognized configuration class" for this auto class
-                errors.append(str(exc).splitlines()[0])
+                model = auto.from_config(config, dtype=dtype)
+            except ValueError as exc:
+                if "Unrecognized configuration class" not in str(exc):
+                    raise _build_error(config, exc) from exc
+                errors.append(str(exc).splitlines()[0])  # no model of this auto class: try the next one
+            except Exception as exc:  # a config the checks let through that the model class still refuses
+                raise _build_error(config, exc) from exc
+            else:
+                check_built(model, _source(config))
+                return model
     raise ConfigError(f"transformers has no causal-LM or image-text-to-text model for {config.model_type!r}: {errors[0]}")
+
+
+def _source(config) -> str:
+    """The model folder a config was read from (read_config records it), for error messages."""
+    return getattr(config, "name_or_path", "") or f"the {config.model_type} config"
+
+
+def _build_error(config, exc: Exception) -> ConfigError:
+    first = " ".join(str(exc).split())[:300]
+    return ConfigError(f"{_source(config)}: transformers cannot build a {config.model_type} model from this config "
+                       f"({type(exc).__name__}: {first}); a field that sizes the model is wrong: fix config.json")
 
 
 # ---------------------------------------------------------------------------------------
@@ -300,14 +354,14 @@ def from_module(module: nn.Module, *, dtype: str | None = None) -> Inventory:
 def from_config(source, *, dtype: str | None = None) -> Inventory:
     config = read_config(source)
     storage = _storage_dtype(config, dtype)
+    assumed = _assumed_dtype_note(config, dtype)  # before building: transformers then records the dtype on config
     model = build_meta_model(config, storage)
     # Built in the storage dtype already; not forcing it keeps what transformers holds in float32 whatever the
     # dtype (`_keep_in_fp32_modules_strict`: DeepSeek-V3/GLM-4.5 routers and `e_score_correction_bias`).
     records = records_from_module(model, config=config)
     experts, top_k = routing_of(config)
-    note = getattr(config, "_moe_offload_note", None)
-    return Inventory(tuple(records), config.model_type, experts, top_k, _tied_pairs(model), "config",
-                     (note,) if note else ())
+    notes = tuple(n for n in (getattr(config, "_moe_offload_note", None), assumed) if n)
+    return Inventory(tuple(records), config.model_type, experts, top_k, _tied_pairs(model), "config", notes)
 
 
 # ---------------------------------------------------------------------------------------
@@ -380,6 +434,11 @@ def from_checkpoint(folder, *, dtype: str | None = None, model: nn.Module | None
     base = from_module(model)
     headers = read_headers(files)
     from .layouts import map_keys
+    from .quant import check_headers, spec_from_config
+
+    spec = spec_from_config(config)
+    if spec is not None:  # a scale that does not fit its weight is refused here, before any plan is made
+        check_headers(spec, headers)
 
     known = {r.name for r in base.records}
     # Quantized storage: `x_blocks` carries the values of `x`, `x_scales`/`weight_scale_inv` its scales.

@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .errors import CheckpointError, ConfigError, DeviceError, MoeOffloadError, SelectorError
+from .errors import CheckpointError, ConfigError, DeviceError, MoeOffloadError, PlanMismatchError, SelectorError
 from .inventory import (DTYPE_NAMES, build_meta_model, from_checkpoint, read_config, read_headers,
                         safetensors_files)
 from .layouts import map_keys
 from .planner import Plan, Tier, plan as make_plan
-from .storage import HostArena, resolve_device, set_tensor
+from .storage import ExpertSplit, HostArena, expert_runs, resolve_device, set_tensor
 
 
 @contextlib.contextmanager
@@ -148,40 +148,75 @@ def _check_plan_matches(plan: Plan, inv, folder: Path) -> None:
     if planned.keys() != actual.keys():
         only_plan = sorted(planned.keys() - actual.keys())[:3]
         only_model = sorted(actual.keys() - planned.keys())[:3]
-        raise MoeOffloadError(f"the plan is for another model than {folder}: plan-only tensors {only_plan}, "
+        raise PlanMismatchError(f"the plan is for another model than {folder}: plan-only tensors {only_plan}, "
                               f"model-only tensors {only_model}; plan this model again")
     for name, t in planned.items():
-        if t.host_experts and not (t.tier == Tier.HOST and t.role == "routed_expert" and len(t.shape) >= 2
-                                   and "Experts" in actual[name].module_class
-                                   and 0 < t.host_experts < t.shape[0]):
-            raise MoeOffloadError(f"the plan offloads {t.host_experts} experts of {name} ({t.role}, shape "
-                                  f"{list(t.shape)}, tier {t.tier}): only a fused routed-expert tensor on the host "
-                                  "can go in part, with 0 < host_experts < its experts; plan this model again")
         if tuple(t.shape) != actual[name].shape or t.dtype != actual[name].dtype:
-            raise MoeOffloadError(f"the plan gives {name} shape {list(t.shape)}, {t.dtype}, but {folder} loads "
-                                  f"it as {list(actual[name].shape)}, {actual[name].dtype}; plan this model "
-                                  "again (with the same --dtype)")
+            raise PlanMismatchError(f"the plan gives {name} shape {list(t.shape)}, {t.dtype}, but {folder} loads "
+                                    f"it as {list(actual[name].shape)}, {actual[name].dtype}; plan this model "
+                                    "again (with the same dtype)")
+        split_ids(t, actual[name].module_class)
+
+
+def split_ids(t, module_class: str) -> tuple[int, ...] | None:
+    """The host experts of a tensor the plan splits between tiers (ascending), or None for a whole tensor.
+
+    Any subset of a fused routed-expert tensor's experts may be on the host (`host_expert_ids`; legacy plans
+    give only the count `host_experts`: its last experts). All of them is the whole tensor on the host.
+    Anything else is refused: a wrong plan would put experts in the wrong stack or count bytes wrongly.
+    """
+    if not t.host_experts and not t.host_expert_ids:
+        return None
+    what = (f"the plan offloads experts {list(t.host_expert_ids) or t.host_experts} of {t.name} ({t.role}, shape "
+            f"{list(t.shape)}, tier {t.tier})")
+    if not (t.tier == Tier.HOST and t.role == "routed_expert" and len(t.shape) >= 2 and "Experts" in module_class):
+        raise MoeOffloadError(f"{what}: only a fused routed-expert tensor on the host can go in part (by expert); "
+                              "plan this model again")
+    experts = t.shape[0]
+    if not t.host_expert_ids:
+        if not 0 < t.host_experts <= experts:
+            raise MoeOffloadError(f"{what}: a fused routed-expert tensor can go in part only with 0 < host_experts "
+                                  f"<= its {experts} experts; plan this model again")
+        return None if t.host_experts == experts else t.host_ids
+    ids = tuple(t.host_expert_ids)
+    bad = [e for e in ids if not (isinstance(e, int) and 0 <= e < experts)]
+    if bad:
+        raise PlanMismatchError(f"{what}: expert id(s) {bad[:5]} are out of range, the tensor has experts "
+                                f"0..{experts - 1}; the plan is for another model: plan this model again")
+    if len(set(ids)) != len(ids):
+        dup = sorted({e for e in ids if ids.count(e) > 1})
+        raise MoeOffloadError(f"{what}: expert id(s) {dup[:5]} are listed more than once; host_expert_ids must be "
+                              "distinct: plan this model again")
+    if list(ids) != sorted(ids):
+        raise MoeOffloadError(f"{what}: host_expert_ids are not sorted; they must be ascending: plan this model again")
+    if t.host_experts != len(ids):
+        raise MoeOffloadError(f"{what}: host_experts says {t.host_experts} experts but host_expert_ids lists "
+                              f"{len(ids)}; the plan was edited inconsistently: plan this model again")
+    return None if len(ids) == experts else ids
 
 
 def _allocate(model: nn.Module, plan: Plan, dev: torch.device, arena: HostArena):
-    """(name -> (host tensor or device tensor, tensor the model holds), split tensors' device parts).
+    """(name -> (host tensor or device tensor, tensor the model holds), split tensors' layouts).
 
-    Host tensors live in per-layer slabs. A routed-expert tensor split between tiers holds its last
-    `host_experts` experts in the slab (that is the tensor the model holds) and its first experts in a
-    device tensor: name -> (device part, number of experts in it).
+    Host tensors live in per-layer slabs. A routed-expert tensor split between tiers holds its host experts
+    as the rows of a slab tensor (the host stack: the tensor the model holds) and its other experts in a
+    device tensor (the resident stack): name -> ExpertSplit.
     """
     meta = {**dict(model.named_parameters()), **{n: b for n, b in model.named_buffers()}}
+    module_class = {name: type(model.get_submodule(name.rpartition(".")[0])).__name__ for name in meta}
     targets: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    splits: dict[str, tuple[torch.Tensor, int]] = {}
+    splits: dict[str, ExpertSplit] = {}
     regions: dict[str, list] = defaultdict(list)
     for t in plan.tensors:
         m = meta[t.name]
         tdtype = m.dtype
-        if t.host_experts:
-            resident = t.resident_experts
-            splits[t.name] = (torch.empty((resident, *t.shape[1:]), dtype=tdtype, device=dev), resident)
+        ids = split_ids(t, module_class[t.name])
+        if ids is not None:
+            experts = t.shape[0]
+            resident = torch.empty((experts - len(ids), *t.shape[1:]), dtype=tdtype, device=dev)
+            splits[t.name] = ExpertSplit(resident, ids, experts)
             region = f"layer {t.layer}" if t.layer is not None else "other"
-            regions[f"{t.component}:{region}"].append((t.name, (t.host_experts, *t.shape[1:]), tdtype))
+            regions[f"{t.component}:{region}"].append((t.name, (len(ids), *t.shape[1:]), tdtype))
         elif t.tier == Tier.DEVICE:
             x = torch.empty(t.shape, dtype=tdtype, device=dev)
             if m.device.type != "meta":  # a buffer computed at construction: keep its value unless the checkpoint has one
@@ -216,12 +251,7 @@ def _stream_checkpoint(folder: Path, model: nn.Module, targets, splits, by_name,
                         raise CheckpointError(f"{path.name}: tensor {key!r} matches no tensor of the model; "
                                               "the checkpoint and config.json are for different models")
                     src = f.get_tensor(key)  # memory-mapped: pages are read as they are copied
-                    # pieces: (first expert, tensor holding experts from there on); one piece unless split
                     host, _ = targets[slot.target]
-                    pieces = [(0, host)]
-                    if slot.target in splits:
-                        device_part, resident = splits[slot.target]
-                        pieces = [(0, device_part), (resident, host)]
                     full = torch.empty(by_name[slot.target].shape, device="meta")
                     shape = tuple(_destination(full, slot, key).shape)
                     # transformers' Transpose(check_dims=True): transpose only when the tensor does not already fit.
@@ -235,29 +265,34 @@ def _stream_checkpoint(folder: Path, model: nn.Module, targets, splits, by_name,
                     if src.is_floating_point() != host.is_floating_point():
                         raise CheckpointError(f"{path.name}: {key!r} is {src.dtype}, the model expects {host.dtype}; "
                                               "the checkpoint does not match config.json")
-                    for first, piece in pieces:
-                        _write(piece, first, slot, src, key)
+                    _write(host, splits.get(slot.target), slot, src, key)
                     written[slot.target] += src.numel()
                     bar.advance(task, src.numel() * host.element_size())
     missing = [n for n, (host, _) in targets.items()
-               if written.get(n, 0) != host.numel() + (splits[n][0].numel() if n in splits else 0)
+               if written.get(n, 0) != host.numel() + (splits[n].resident.numel() if n in splits else 0)
                and not by_name[n].is_buffer]
     if missing:
         raise CheckpointError(f"{folder}: {len(missing)} tensor(s) not fully written by the checkpoint "
                               f"(first: {missing[:3]}); the checkpoint is incomplete")
 
 
-def _write(piece: torch.Tensor, first: int, slot, src: torch.Tensor, key: str) -> None:
-    """Copy into `piece`, the target's experts [first, first + len(piece)) (the whole target when unsplit),
-    what `src` holds of them."""
-    if piece.dim() == 0:
-        piece.copy_(src)
-        return
-    count = piece.shape[0]
-    if slot.expert is None:   # the checkpoint tensor spans every expert (or the tensor has no experts)
-        _destination(piece, slot, key).copy_(src[first:first + count])
-    elif first <= slot.expert < first + count:
-        _destination(piece, dataclasses.replace(slot, expert=slot.expert - first), key).copy_(src)
+def _write(host: torch.Tensor, split: ExpertSplit | None, slot, src: torch.Tensor, key: str) -> None:
+    """Copy `src` once into its place: the target `host` (the tensor in its tier), or for a tensor split
+    between tiers, each expert's row of the stack that holds it (split.where)."""
+    if split is None:
+        (_destination(host, slot, key) if host.dim() else host).copy_(src)
+    elif slot.expert is None:   # one checkpoint tensor spans every expert: each stack takes its experts' rows
+        if slot.parts > 1 and slot.part_dim == 0:
+            raise CheckpointError(f"checkpoint tensor {key!r} is concatenated along the experts dim of "
+                                  f"{slot.target}, which the plan splits by expert; offload it whole instead")
+        for stack, ids in ((split.resident, split.resident_ids), (host, split.host_ids)):
+            dst = _destination(stack, slot, key)
+            for row, first, count in expert_runs(ids):
+                dst[row:row + count].copy_(src[first:first + count])
+    else:                       # one checkpoint tensor per expert (range checked against the full shape)
+        tier, row = split.where(slot.expert)
+        stack = host if tier == Tier.HOST else split.resident
+        _destination(stack, dataclasses.replace(slot, expert=row), key).copy_(src)
 
 
 def _destination(host: torch.Tensor, slot, key: str) -> torch.Tensor:

@@ -12,7 +12,13 @@ declaration order, so dense tensors come last, in declaration order, and only on
 routed expert is offloaded. `declaration` is the legacy order of today's engines.
 Explicit selectors make only matching tensors eligible, in declaration order.
 
-The expected link traffic per decoded token follows from the same numbers:
+`frequency` places expert by expert from routing statistics (decode-token counts per expert
+per layer, e.g. traces.expert_counts): one expert of one layer (its slices of all the layer's
+fused expert tensors, read together) is one unit, with density = its smoothed share of the
+layer's picks times top_k (comparable with dense 1 and uniform k/E; see expert_densities).
+Units go lowest density first across the model; lookup tables and dense tensors as above.
+
+The expected link traffic per decoded token follows from the same numbers (accounting.py):
     sum over offloaded tensors of bytes * density_b / b
 """
 
@@ -22,8 +28,9 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Sequence
+from typing import Mapping, Sequence
 
+from .accounting import TokenBytes
 from .errors import BudgetError, SelectorError
 from .inventory import Inventory, TensorRecord
 from .roles import Role, assign, family_note
@@ -31,6 +38,9 @@ from .roles import Role, assign, family_note
 GiB = 1 << 30
 DEFAULT_RESERVE_GB = 2.0  # activations + KV cache kept free with --device-memory, unless --reserve-gb says otherwise
 PLAN_FORMAT = 1
+# Smoothing of routing statistics: every expert counts FREQUENCY_PSEUDOCOUNT picks more than it was seen, so an
+# expert no trace saw keeps a small density instead of 0 (and a layer with no statistics is uniform, k/E).
+FREQUENCY_PSEUDOCOUNT = 1.0
 
 
 class Tier(str, Enum):
@@ -42,6 +52,7 @@ class Tier(str, Enum):
 class Policy(str, Enum):
     SPARSE_FIRST = "sparse-first"
     DECLARATION = "declaration"
+    FREQUENCY = "frequency"  # expert by expert, from routing statistics (`stats`)
     EXPLICIT = "explicit"  # set by `offload_params`, not chosen by name
 
 
@@ -110,6 +121,8 @@ class Plan:
     batch: int = 1
     offload_params: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    # frequency plans: (layer, per expert the probability that one decoded token picks it), from the statistics
+    expert_densities: tuple[tuple[int, tuple[float, ...]], ...] = ()
 
     # --- views -------------------------------------------------------------------------
     @property
@@ -142,14 +155,23 @@ class Plan:
             total += t.numel * (t.top_k / t.experts if t.role == Role.ROUTED_EXPERT and t.experts else 1.0)
         return round(total)
 
+    @property
+    def frequencies(self) -> dict[int, tuple[float, ...]] | None:
+        """layer -> per-expert pick probability of a frequency plan; None: uniform routing is assumed."""
+        return dict(self.expert_densities) if self.expert_densities else None
+
+    def token_bytes(self) -> TokenBytes:
+        """What a decoded token of this plan reads from each tier (accounting.py)."""
+        return TokenBytes.of(self.tensors)
+
     def link_bytes_per_token(self, batch: int | None = None) -> float:
-        """Expected bytes of offloaded weights read per decoded token.
+        """Expected bytes of offloaded weights read per decoded token (accounting.TokenBytes.expected).
 
         Towers other than the language model (vision, audio) run at prefill only: a decoded
         token reads none of their bytes. (They still rank as dense tensors, after the experts.)
+        Frequency plans weigh each expert by its measured pick probability, others by k/E.
         """
-        b = batch or self.batch
-        return sum(t.offloaded_bytes * t.density(b) for t in self.tensors if t.component == "language") / b
+        return self.token_bytes().expected_total(batch or self.batch, self.frequencies)
 
     def roles(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {r.value: {"params": 0, "bytes": 0, "offloaded_bytes": 0} for r in Role}
@@ -178,6 +200,7 @@ class Plan:
             "roles": self.roles(),
             "tensors": [dict(asdict(t), shape=list(t.shape)) for t in self.tensors],
             "notes": list(self.notes),
+            "expert_densities": {str(layer): list(p) for layer, p in self.expert_densities},
         }
 
     def to_json(self, indent: int | None = None) -> str:
@@ -194,8 +217,10 @@ class Plan:
             tensors = tuple(PlannedTensor(**{**t, "shape": tuple(t["shape"]), "tier": Tier(t["tier"]).value,
                                              "host_expert_ids": tuple(t.get("host_expert_ids", ()))})
                             for t in data["tensors"])
+            densities = tuple((int(layer), tuple(float(x) for x in p))
+                              for layer, p in data.get("expert_densities", {}).items())
             return cls(tensors, data["model_type"], data["policy"], int(data["budget_bytes"]), int(data["batch"]),
-                       tuple(data.get("offload_params", ())), tuple(data.get("notes", ())))
+                       tuple(data.get("offload_params", ())), tuple(data.get("notes", ())), densities)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise MoeOffloadError(f"not a moe-offload plan ({type(exc).__name__}: {exc}); save one with "
                                   "`moe-offload plan --save PLAN.json`") from exc
@@ -212,14 +237,15 @@ class Budget:
     reserve_gb: float | None = None
 
     def validate(self) -> None:
-        for label, value in (("--offload-gb", self.offload_gb), ("--device-memory", self.device_memory_gb),
-                             ("--reserve-gb", self.reserve_gb)):
+        # Errors name the Python arguments (`offload_gb=5`); the CLI shows its own flags for them (cli._as_flags).
+        for label, value in (("offload_gb", self.offload_gb), ("device_memory_gb", self.device_memory_gb),
+                             ("reserve_gb", self.reserve_gb)):
             if value is not None and (not math.isfinite(value) or value < 0):
-                raise BudgetError(f"{label} {value} is not a size: give a non-negative number of GiB")
+                raise BudgetError(f"{label}={value} is not a size: give a non-negative number of GiB")
         if self.offload_gb is not None and self.device_memory_gb is not None:
-            raise BudgetError("--offload-gb and --device-memory both set a budget: give one of them")
+            raise BudgetError("offload_gb and device_memory_gb both set a budget: give one of them")
         if self.reserve_gb is not None and self.device_memory_gb is None:
-            raise BudgetError("--reserve-gb only applies with --device-memory: add --device-memory or drop it")
+            raise BudgetError("reserve_gb only applies with device_memory_gb: add device_memory_gb or drop it")
 
 
 def format_bytes(n: float) -> str:
@@ -247,19 +273,36 @@ def _similar(selector: str, names: Sequence[str]) -> list[str]:
 
 
 def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: float | None = None,
-         reserve_gb: float | None = None, policy: str = "sparse-first", offload_params: Sequence[str] | None = None,
-         batch: int = 1) -> Plan:
-    """Decide the tier of every tensor. Touches no device, file or global state."""
+         reserve_gb: float | None = None, policy: str = "sparse-first",
+         offload_params: str | Sequence[str] | None = None, batch: int = 1,
+         stats: Mapping[int, Sequence[float]] | None = None) -> Plan:
+    """Decide the tier of every tensor. Touches no device, file or global state.
+
+    stats: with policy "frequency", layer -> decode-token picks of each expert (traces.expert_counts).
+    """
     budget = Budget(offload_gb, device_memory_gb, reserve_gb)
     budget.validate()
     if batch < 1:
-        raise BudgetError(f"--batch {batch}: the number of sequences decoded together is at least 1")
+        raise BudgetError(f"batch={batch}: the number of sequences decoded together is at least 1")
+    if policy == "oracle":
+        raise SelectorError("policy 'oracle' is frequency placement with statistics from the very trace it is "
+                            "measured on, a floor rather than a placement: only `moe-offload replay` takes it; use "
+                            "--policy frequency --stats TRACE")
     try:
         policy_ = Policy(policy)
     except ValueError:
-        raise SelectorError(f"unknown policy {policy!r}: use sparse-first or declaration") from None
+        raise SelectorError(f"unknown policy {policy!r}: use sparse-first, declaration or frequency") from None
     if policy_ is Policy.EXPLICIT:
-        raise SelectorError("policy 'explicit' is set by offload_params (--offload-params), not by name")
+        raise SelectorError("policy 'explicit' is set by offload_params, not by name")
+    if policy_ is Policy.FREQUENCY and stats is None:
+        raise SelectorError("--policy frequency needs --stats TRACE: it places experts by how often routers pick "
+                            "them; record a trace with `moe-offload profile MODEL --out TRACE`")
+    if stats is not None and policy_ is not Policy.FREQUENCY:
+        raise SelectorError(f"--stats only applies with --policy frequency (policy {policy_.value} places by "
+                            "uniform routing): add --policy frequency or drop --stats")
+    if policy_ is Policy.FREQUENCY and offload_params:
+        raise SelectorError("--offload-params and --policy frequency both choose what is offloaded: give one "
+                            "of them")
     roles = assign(inv)
     records = inv.records
     notes: list[str] = list(inv.notes)
@@ -267,7 +310,8 @@ def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: f
         notes.append(note)
 
     # Eligibility.
-    selectors = tuple(offload_params or ())
+    # One string is one selector (`offload_params="experts"`), not a sequence of one-letter selectors.
+    selectors = (offload_params,) if isinstance(offload_params, str) else tuple(offload_params or ())
     if selectors:
         names = [r.name for r in records]
         for sel in selectors:
@@ -275,7 +319,7 @@ def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: f
                 near = _similar(sel, names)
                 hint = f"; similar segments: {', '.join(near)}" if near else ""
                 raise SelectorError(
-                    f"--offload-params {sel!r} matches no tensor of this {inv.model_type} model (selectors match "
+                    f"offload_params {sel!r} matches no tensor of this {inv.model_type} model (selectors match "
                     f"whole dot-separated segments){hint}")
         eligible = [i for i, r in enumerate(records) if any(matches_selector(r.name, s) for s in selectors)]
         notes.append(f"--offload-params {' '.join(selectors)}: only the {len(eligible)} selected tensors are "
@@ -291,8 +335,8 @@ def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: f
         reserve = budget.reserve_gb if budget.reserve_gb is not None else DEFAULT_RESERVE_GB
         room = math.floor((budget.device_memory_gb - reserve) * GiB)
         if room < 0:
-            raise BudgetError(f"--device-memory {budget.device_memory_gb} GiB is less than the "
-                              f"{reserve} GiB reserve: lower --reserve-gb or give the real device memory")
+            raise BudgetError(f"device_memory_gb={budget.device_memory_gb} GiB is less than the "
+                              f"{reserve} GiB reserve: lower reserve_gb or give the real device memory")
         target = max(0, total - room)
         if target == 0:
             notes.append(f"the model fits: {_gib(total)} of weights + {reserve:g} GiB reserve <= "
@@ -301,12 +345,12 @@ def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: f
             raise BudgetError(
                 f"the model cannot fit: {_gib(total)} of weights need {_gib(target)} offloaded to leave "
                 f"{reserve:g} GiB reserve in {budget.device_memory_gb:g} GiB, but only {_gib(eligible_bytes)} "
-                "may be offloaded; widen --offload-params, lower --reserve-gb or use a larger device")
+                "may be offloaded; widen offload_params, lower reserve_gb or use a larger device")
     elif budget.offload_gb is not None:
         target = math.ceil(budget.offload_gb * GiB)
         if target > eligible_bytes:
-            what = "the tensors --offload-params selects" if selectors else "the whole model"
-            raise BudgetError(f"--offload-gb {budget.offload_gb:g} is more than {what} ({_gib(eligible_bytes)}, "
+            what = "the tensors offload_params selects" if selectors else "the whole model"
+            raise BudgetError(f"offload_gb={budget.offload_gb:g} is more than {what} ({_gib(eligible_bytes)}, "
                               f"{eligible_bytes} bytes): give at most {eligible_bytes / GiB:.6g}")
     else:
         target = 0
@@ -326,6 +370,8 @@ def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: f
     def dense(i: int) -> bool:
         return roles[i] not in (Role.ROUTED_EXPERT, Role.EMBEDDING)
 
+    if policy_ is Policy.FREQUENCY:
+        return _plan_frequency(inv, roles, stats, target, batch, notes, density, dense)
     order = sorted(eligible, key=lambda i: (density(i), dense(i), i)) if policy_ is Policy.SPARSE_FIRST else eligible
     offloaded: set[int] = set()
     split: dict[int, int] = {}   # index -> experts on the host, for a routed-expert tensor offloaded in part
@@ -388,6 +434,113 @@ def _experts_of(record: TensorRecord, role: Role, inv: Inventory) -> int:
     return e if record.bytes % e == 0 else 0
 
 
+def routed_layers(inv: Inventory, roles: Sequence[Role] | None = None) -> tuple[int, ...]:
+    """The layers holding routed experts, ascending: the `layers` a trace of this model names."""
+    roles = assign(inv) if roles is None else roles
+    return tuple(sorted({r.layer for r, role in zip(inv.records, roles)
+                         if role == Role.ROUTED_EXPERT and r.layer is not None}))
+
+
+def expert_densities(counts: Sequence[float], top_k: int) -> tuple[float, ...]:
+    """Per expert of one layer, the probability that a decoded token picks it, from its pick counts.
+
+    p_e = top_k * (c_e + a) / (sum(c) + a * E), a = FREQUENCY_PSEUDOCOUNT, at most 1: the smoothed share of
+    the layer's picks times top_k. It sums to top_k over a layer, as uniform k/E does, so it ranks against
+    dense tensors (1) and lookup tables on one scale; an expert never picked gets top_k * a / (sum(c) + a * E),
+    small but not 0, and a layer without statistics is uniform.
+    """
+    a = FREQUENCY_PSEUDOCOUNT
+    total = sum(counts) + a * len(counts)
+    return tuple(min(1.0, top_k * (c + a) / total) for c in counts)
+
+
+def _check_stats(stats: Mapping[int, Sequence[float]], inv: Inventory, layers: tuple[int, ...]) -> None:
+    fix = "give statistics of this model (`moe-offload profile MODEL --out TRACE`, then --stats TRACE)"
+    if not layers:
+        raise SelectorError(f"--policy frequency places routed experts, and this {inv.model_type} model has none: "
+                            "use sparse-first")
+    if set(stats) != set(layers):
+        raise SelectorError(f"--stats: the routing statistics cover layers {sorted(stats, key=str)} but this "
+                            f"{inv.model_type} model routes layers {list(layers)}; {fix}")
+    for layer in layers:
+        counts = list(stats[layer])
+        if len(counts) != inv.num_experts:
+            raise SelectorError(f"--stats: layer {layer} counts {len(counts)} experts but this {inv.model_type} "
+                                f"model has {inv.num_experts} per layer; {fix}")
+        bad = [c for c in counts if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c)
+               or c < 0]
+        if bad:
+            raise SelectorError(f"--stats: layer {layer} has count {bad[0]!r}; counts are numbers of decode "
+                                "tokens, >= 0")
+
+
+def _plan_frequency(inv: Inventory, roles: Sequence[Role], stats: Mapping[int, Sequence[float]], target: int,
+                    batch: int, notes: list[str], density, dense) -> Plan:
+    """Expert-granular placement: each expert of each layer is a unit, ranked by its pick probability."""
+    records, e, k = inv.records, inv.num_experts, inv.top_k
+    layers = routed_layers(inv, roles)
+    _check_stats(stats, inv, layers)
+    p = {layer: expert_densities(list(stats[layer]), k) for layer in layers}
+    fused: dict[int, list[int]] = {}   # layer -> its fused [E, ...] expert tensors: one expert reads all their slices
+    for i, (r, role) in enumerate(zip(records, roles)):
+        if r.layer is not None and _experts_of(r, role, inv):
+            fused.setdefault(r.layer, []).append(i)
+    in_fused = {i for idx in fused.values() for i in idx}
+    # A unit: (density at the batch, dense?, declaration index, expert id or -1, bytes, layer of an expert unit).
+    # Ties go to the earlier layer (declaration order), then the lower expert id; dense tensors of equal
+    # density after experts, as in sparse-first. Other tensors (not fused) go whole, at their usual density.
+    units = [(1.0 - (1.0 - p[layer][x]) ** batch, False, idx[0], x, sum(records[i].bytes // e for i in idx), layer)
+             for layer, idx in fused.items() for x in range(e)]
+    units += [(density(i), dense(i), i, -1, records[i].bytes, None) for i in range(len(records)) if i not in in_fused]
+    units.sort(key=lambda u: u[:4])
+    host: dict[int, set[int]] = {layer: set() for layer in fused}
+    whole: set[int] = set()
+    done, last = 0, None
+    for unit in units:
+        if done >= target:
+            break
+        _, _, i, x, nbytes, layer = unit
+        if layer is None:
+            whole.add(i)
+        else:
+            host[layer].add(x)
+        done += nbytes
+        last = unit
+
+    tensors, offloaded = [], set()
+    for i, (r, role) in enumerate(zip(records, roles)):
+        routed = role == Role.ROUTED_EXPERT
+        ids = tuple(sorted(host[r.layer])) if i in in_fused else ()
+        off = bool(ids) or i in whole
+        if off:
+            offloaded.add(i)
+        reason = _reason(off, Policy.FREQUENCY, role, density(i), False)
+        if ids:
+            lo, hi = min(p[r.layer][x] for x in ids), max(p[r.layer][x] for x in ids)
+            reason = (f"offloaded by expert: {len(ids)} of {e} experts, picked by {lo:.4g} to {hi:.4g} of decoded "
+                      "tokens (routing statistics)")
+        tensors.append(PlannedTensor(
+            r.name, r.shape, r.dtype, r.bytes, r.layer, r.component, role.value, r.is_buffer,
+            e if routed else None, k if routed else None, (Tier.HOST if off else Tier.DEVICE).value, reason,
+            len(ids), ids))
+
+    picks = [sum(stats[layer]) for layer in layers]
+    unseen = sum(1 for layer in layers for c in stats[layer] if c == 0)
+    floor = min(min(p[layer]) for layer in layers)
+    notes.append(f"frequency placement: each expert ranked by the share of decoded tokens that pick it, from "
+                 f"{min(picks):g} to {max(picks):g} expert picks per layer, smoothed by {FREQUENCY_PSEUDOCOUNT:g} "
+                 f"pick per expert ({unseen} experts never picked rank at {floor:.3g}, not 0)")
+    notes += _notes(records, roles, offloaded, target, done, None, Policy.FREQUENCY, range(len(records)), {})
+    if last is not None and done > target:
+        _, _, i, x, nbytes, layer = last
+        what = (f"expert {x} of layer {layer}, {nbytes} bytes over its {len(fused[layer])} tensors" if layer is not None
+                else f"{records[i].name}, {nbytes} bytes")
+        notes.append(f"offloaded {done - target} bytes more than the budget: experts and tensors move whole, and "
+                     f"the last one ({what}) crossed the target")
+    return Plan(tuple(tensors), inv.model_type, Policy.FREQUENCY.value, target, batch, (), tuple(notes),
+                tuple((layer, p[layer]) for layer in layers))
+
+
 def _reason(off: bool, policy: Policy, role: Role, density: float, selected: bool) -> str:
     if not off:
         return "resident: budget met before this tensor's turn" if selected or policy is not Policy.EXPLICIT \
@@ -407,7 +560,7 @@ def _notes(records: Sequence[TensorRecord], roles, offloaded: set[int], target: 
     routed_total = sum(r.bytes for r, role in zip(records, roles) if role == Role.ROUTED_EXPERT)
     dense_off = [i for i in offloaded if roles[i] not in (Role.ROUTED_EXPERT, Role.EMBEDDING)]
     dense_bytes = sum(records[i].bytes for i in dense_off)
-    if dense_off and policy is Policy.SPARSE_FIRST:
+    if dense_off and policy in (Policy.SPARSE_FIRST, Policy.FREQUENCY):
         sparse_off = done - dense_bytes
         notes.append(
             f"dense tensors offloaded: the {_gib(target)} budget exceeds the {_gib(sparse_off)} of routed experts "

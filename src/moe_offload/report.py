@@ -42,9 +42,18 @@ def tensors_table(plan: Plan) -> Table:
         style = "cyan" if t.tier != "device" else None
         table.add_row(escape(t.name), t.role, "x".join(map(str, t.shape)), t.dtype, format_bytes(t.bytes),
                       f"{t.density(plan.batch):.4g}",
-                      f"{t.tier} (last {t.host_experts} of {t.shape[0]} experts)" if t.host_experts else t.tier,
+                      _tier_cell(t),
                       style=style)
     return table
+
+
+def _tier_cell(t) -> str:
+    if t.host_expert_ids:   # frequency placement: any subset of the experts
+        ids = f": {','.join(map(str, t.host_expert_ids))}" if len(t.host_expert_ids) <= 8 else ""   # the JSON has all
+        return f"{t.tier} ({t.host_experts} of {t.shape[0]} experts{ids})"
+    if t.host_experts:
+        return f"{t.tier} (last {t.host_experts} of {t.shape[0]} experts)"
+    return t.tier
 
 
 def print_plan(plan: Plan, console: Console | None = None) -> None:

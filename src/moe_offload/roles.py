@@ -2,8 +2,9 @@
 
 Never by substring: `shared_expert`, `shared_experts`, `shared_expert_gate`, `shared_mlp`,
 `mlp.gate` (a router), `router`, `e_score_correction_bias`, `moe_statics` and `expert_bias`
-are not routed experts, while `experts.3.gate_proj.weight` (on disk) and
-`experts.gate_up_proj` (in memory) are.
+are not routed experts, while `experts.3.gate_proj.weight` (on disk),
+`experts.gate_up_proj` (in memory) and a fused parameter registered as `mlp.experts`
+itself are.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def classify(record: TensorRecord, *, tied_head: bool = False) -> Role:
     # test would also catch Qwen3-Next's linear attention (`Qwen3NextGatedDeltaNet`, `Qwen3NextRMSNormGated`).
     if seg_set & _ROUTER or record.module_class.endswith(("Router", "Gate")):
         return Role.ROUTER
-    if _EXPERTS & set(modules):
+    # A whole segment anywhere, the tensor's own name included: some model code registers the fused expert
+    # weights as one parameter named `experts` (`mlp.experts`), with no experts module around it.
+    if _EXPERTS & seg_set:
         return Role.ROUTED_EXPERT
     # `mlp.gate.weight` (Qwen, Mixtral, DeepSeek): the router, a module named exactly `gate` in an MoE block.
     for parent, seg in zip(modules, modules[1:]):

@@ -9,9 +9,11 @@ Two backends, both real on every machine:
   experts the router selected are staged; offloaded embedding tables are read by rows.
 
 Routed experts are run through an experts function registered with transformers' experts
-registry (`ALL_EXPERTS_FUNCTIONS`), which sees `top_k_index` before any expert weight is
-touched. It stages (prefetch) or reads in place (uva) just the selected experts, then runs
-the class's own eager forward on them, so the arithmetic is the model's own.
+registry (experts.py), which sees `top_k_index` before any expert weight is touched. It
+stages (prefetch) or reads in place (uva) just the selected experts, each from the stack
+that holds it when a tensor is split between tiers, then runs the class's own eager forward
+on them, so the arithmetic is the model's own. The same function hands the routing of every
+call to an optional recorder (`Runtime.recorder`), offloaded or not.
 
 Every backend counts the bytes it reads from the host tier per forward call: that is the
 measured link traffic (`LinkCounter`).
@@ -21,15 +23,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn as nn
 
-from .inventory import layer_prefix
-from .storage import set_tensor
+from .experts import EXPERTS_IMPL, ExpertsState, Recorder, RoutedCall, is_experts_module, register_experts_function
+from .inventory import layer_of, layer_prefix
+from .storage import ExpertSplit, set_tensor
 
-EXPERTS_IMPL = "moe_offload"
 BACKENDS = ("uva", "prefetch")
 
 
@@ -64,90 +65,12 @@ class LinkCounter:
         return sum(steps) / (len(steps) * batch) if steps else 0.0
 
 
-def _original_forward(module: nn.Module) -> Callable:
-    # `use_experts_implementation` wraps the class's eager forward with functools.wraps.
-    fwd = type(module).forward
-    return getattr(fwd, "__wrapped__", fwd)
-
-
-class _StagedExperts:
-    """The experts module as its eager forward sees it, with some tensors replaced by staged copies."""
-
-    def __init__(self, module: nn.Module, tensors: dict[str, torch.Tensor], num_experts: int):
-        object.__setattr__(self, "_module", module)
-        object.__setattr__(self, "_tensors", tensors)
-        object.__setattr__(self, "num_experts", num_experts)
-
-    def __getattr__(self, name):
-        tensors = object.__getattribute__(self, "_tensors")
-        if name in tensors:
-            return tensors[name]
-        return getattr(object.__getattribute__(self, "_module"), name)
-
-
-def offloaded_experts_forward(module, hidden_states, top_k_index, top_k_weights):
-    """Experts function for transformers' registry: only the experts the router picked are read."""
-    state: _ExpertsState | None = getattr(module, "_moe_offload_state", None)
-    if state is None or not state.offloaded:
-        return _original_forward(module)(module, hidden_states, top_k_index, top_k_weights)
-    return state.run(module, hidden_states, top_k_index, top_k_weights)
-
-
-def _register_experts_function() -> None:
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    if EXPERTS_IMPL not in ALL_EXPERTS_FUNCTIONS:
-        ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPL, offloaded_experts_forward)
-
-
-@dataclass
-class _ExpertsState:
-    runtime: "Runtime"
-    offloaded: dict[str, torch.Tensor]  # local name -> host-tier tensor (device-visible view for uva)
-    num_experts: int
-    # local name -> (device part, resident experts) of a tensor split between tiers: experts [0, resident)
-    # are in the device part, the others in the host tensor of `offloaded`
-    split: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)
-
-    def run(self, module, hidden_states, top_k_index, top_k_weights):
-        # top_k_index: [T, k] expert ids; the selected experts are the only ones read.
-        per_expert = sum(t[0].numel() * t.element_size() for t in self.offloaded.values())
-        if self.runtime.backend == "uva" and not self.split:
-            # In place: the eager forward indexes each selected expert of the host view. Counting the
-            # distinct experts needs their number on the host, so it waits for the end of the forward
-            # call: one synchronisation per step instead of one per layer.
-            self.runtime.routes.append((top_k_index.detach(), per_expert))
-            return _original_forward(module)(module, hidden_states, top_k_index, top_k_weights)
-        selected = torch.unique(top_k_index)                     # [U], ascending
-        # prefetch (and any split tensor): stage the U selected experts into reused buffers, renumber them
-        # 0..U-1. The eager loop then visits them in the same ascending order: bit-identical arithmetic.
-        local = torch.searchsorted(selected, top_k_index)       # [T, k]
-        staged = {}
-        for name, t in self.offloaded.items():
-            row = t[0].numel() * t.element_size()
-            if name in self.split:
-                device_part, resident = self.split[name]
-                on_host = selected[selected >= resident]        # ascending, after the resident ones
-                self.runtime.counter.add(row * on_host.numel())
-                staged[name] = self.runtime.stage_split(device_part, t, selected[selected < resident],
-                                                        on_host - resident, key=name)
-            else:
-                self.runtime.counter.add(row * selected.numel())
-                staged[name] = self.runtime.stage_rows(t, selected, key=name)
-        for name, p in module.named_parameters(recurse=False):
-            # Resident per-expert tensors are renumbered too (a device-local gather, no link bytes).
-            if name not in staged and p.dim() >= 1 and p.shape[0] == self.num_experts:
-                staged[name] = p.index_select(0, selected)
-        view = _StagedExperts(module, staged, selected.numel())
-        return _original_forward(module)(view, hidden_states, local, top_k_weights)
-
-
 class Runtime:
     """Holds one loaded model's backend state: host arena, staging buffers, counters and hook handles."""
 
     def __init__(self, model: nn.Module, *, device: torch.device, backend: str, arena, host_names: dict[str, str],
                  host_tensors: dict[str, torch.Tensor] | None = None, plan=None,
-                 splits: dict[str, tuple[torch.Tensor, int]] | None = None):
+                 splits: dict[str, ExpertSplit] | None = None, recorder: Recorder | None = None):
         from .errors import DeviceError
 
         if backend not in BACKENDS:
@@ -160,10 +83,13 @@ class Runtime:
         # name -> the host-memory tensor behind an offloaded weight (the model may hold a uva view of it)
         self.host_tensors = dict(host_tensors or {})
         self.plan = plan                     # the plan applied, for audits after transforms
-        # name -> (device part, resident experts) of routed-expert tensors split between tiers
+        # name -> layout (resident stack, host ids) of routed-expert tensors split between tiers by expert
         self.splits = dict(splits or {})
         self.counter = LinkCounter()
         self.routes: list[tuple[torch.Tensor, int]] = []  # uva: (top_k_index, bytes per expert), counted per call
+        # Called with each forward call's routing (RoutedCall) when set; `routed` collects it during the call.
+        self.recorder: Recorder | None = recorder
+        self.routed: dict[int, torch.Tensor] = {}
         self._handles: list = []
         self._staging: dict[tuple, torch.Tensor] = {}
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -191,15 +117,17 @@ class Runtime:
             self._staging[key] = buf
         return buf[:need].view(shape)
 
-    def stage_split(self, device_part: torch.Tensor, host: torch.Tensor, resident_rows: torch.Tensor,
-                    host_rows: torch.Tensor, *, key: str) -> torch.Tensor:
-        """Gather the selected experts of a split tensor: resident ones from the device part (no link bytes),
-        then offloaded ones from the host (ascending order is kept: resident ids are all smaller)."""
-        count = resident_rows.numel() + host_rows.numel()
+    def stage_split(self, split: ExpertSplit, host: torch.Tensor, selected: torch.Tensor, on_host: torch.Tensor,
+                    *, key: str) -> torch.Tensor:
+        """Gather the `selected` experts (ascending ids) of a split tensor, in that order: those of the resident
+        stack by a device-local gather (no link bytes), those of the host stack `host` (`on_host`) over the link."""
         shape = tuple(host.shape[1:])
-        out = self._buffer(("rows", key, shape, host.dtype), (count, *shape), host.dtype)
-        torch.index_select(device_part, 0, resident_rows, out=out[:resident_rows.numel()])
-        self._copy_rows(host, host_rows, out[resident_rows.numel():])
+        out = self._buffer(("rows", key, shape, host.dtype), (selected.numel(), *shape), host.dtype)
+        rows = split.row[selected]                                   # [U] row of each expert in its stack
+        here = (~on_host).nonzero().squeeze(1)                       # positions in `out` of resident experts
+        there = on_host.nonzero().squeeze(1)
+        out.index_copy_(0, here, split.resident.index_select(0, rows[here]))
+        self._copy_rows(host, rows[there], out, positions=there)
         return out
 
     def stage_rows(self, host: torch.Tensor, rows: torch.Tensor, *, key: str) -> torch.Tensor:
@@ -210,20 +138,28 @@ class Runtime:
         self._copy_rows(host, rows, out)
         return out
 
-    def _copy_rows(self, host: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
-        """out[i] = host[rows[i]]: a gather on the CPU; on an accelerator row by row from pinned memory
-        (asynchronous DMA, no pageable temporary)."""
-        if self.device.type == "cpu":
-            torch.index_select(host, 0, rows, out=out)
-        else:
-            for i, r in enumerate(rows.tolist()):
-                out[i].copy_(host[r], non_blocking=True)
+    def _copy_rows(self, host: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
+                   positions: torch.Tensor | None = None) -> None:
+        """out[positions[i]] = host[rows[i]] (positions: 0, 1, ... when not given).
+
+        `host` readable by the device (the cpu, or a uva view of mapped pinned memory): one gather kernel
+        that reads the host rows in place. Pinned host memory seen from an accelerator (prefetch): row by
+        row, asynchronous DMA, no pageable temporary."""
+        if host.device == self.device:
+            if positions is None:
+                torch.index_select(host, 0, rows, out=out[:rows.numel()])
+            else:
+                out.index_copy_(0, positions, host.index_select(0, rows))
+            return
+        pos = range(rows.numel()) if positions is None else positions.tolist()
+        for i, r in zip(pos, rows.tolist()):
+            out[i].copy_(host[r], non_blocking=True)
 
     # --- attach / detach -------------------------------------------------------------------
     def attach(self) -> None:
         """Route offloaded reads through this runtime: experts function, embedding and dense hooks."""
 
-        _register_experts_function()
+        register_experts_function()
         # Buffers too (DeepSeek's e_score_correction_bias), and every name of a tied tensor: a tied LM head
         # reads the offloaded embedding table in full, through its own module.
         tensors = {**dict(self.model.named_parameters(remove_duplicate=False)), **dict(self.model.named_buffers())}
@@ -240,8 +176,8 @@ class Runtime:
         dense_groups: dict[str, list[str]] = {}
         for mod_name, mod in modules.items():
             locals_ = by_module.get(mod_name)
-            is_experts = hasattr(type(mod).forward, "__wrapped__") and "Experts" in type(mod).__name__
-            if is_experts:
+            if is_experts_module(mod):
+                # Every experts module gets a state, offloaded or not: the experts function records routing.
                 experts_modules.append(mod)
                 offl = {n: getattr(mod, n) for n in (locals_ or [])}
                 split = {n: self.splits[f"{mod_name}.{n}"] for n in offl if f"{mod_name}.{n}" in self.splits}
@@ -249,8 +185,8 @@ class Runtime:
                 num = next((getattr(mod, f) for f in ("num_experts", "num_local_experts") if hasattr(mod, f)), None)
                 if num is None and offl:  # fused experts: the leading dim of every per-expert tensor
                     name, t = next(iter(offl.items()))
-                    num = t.shape[0] + (split[name][1] if name in split else 0)
-                mod._moe_offload_state = _ExpertsState(self, offl, num or 0, split)
+                    num = split[name].num_experts if name in split else t.shape[0]
+                mod._moe_offload_state = ExpertsState(self, offl, num or 0, split, layer_of(mod_name))
             elif locals_ and isinstance(mod, nn.Embedding):
                 self._hook_embedding(mod, locals_)
             elif locals_:
@@ -285,6 +221,7 @@ class Runtime:
         if dense is not None:
             dense.release()
         self.routes.clear()
+        self.routed.clear()
 
     def invalidate_staging(self) -> None:
         """Weights were written in place (update_weights): prefetched copies of them are stale."""
@@ -294,6 +231,7 @@ class Runtime:
     # --- hooks ---------------------------------------------------------------------------
     def _top_pre(self, module, args, kwargs):
         self.routes.clear()  # a call that raised leaves nothing behind for the next one
+        self.routed.clear()
         self.counter.discard_pending()
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
@@ -308,7 +246,12 @@ class Runtime:
         for top_k_index, per_expert in self.routes:
             self.counter.add(per_expert * torch.unique(top_k_index).numel())
         self.routes.clear()
-        self.counter.end_call(getattr(self, "_tokens", 1), getattr(self, "_decode", None))
+        tokens, decode = getattr(self, "_tokens", 1), getattr(self, "_decode", None)
+        self.counter.end_call(tokens, decode)
+        if self.recorder is not None:
+            routed = {layer: index.cpu() for layer, index in sorted(self.routed.items())}
+            self.routed.clear()
+            self.recorder(RoutedCall(tokens, self.counter.decode[-1], routed))
 
     def _hook_embedding(self, mod: nn.Embedding, locals_: list[str]) -> None:
         host = mod.weight

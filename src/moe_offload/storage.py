@@ -76,6 +76,57 @@ def set_tensor(root: nn.Module, path: str, tensor: torch.Tensor, *, is_buffer: b
             nn.Parameter(tensor, requires_grad=False)
 
 
+@dataclass(frozen=True)
+class ExpertSplit:
+    """A fused routed-expert tensor [E, ...] with any subset of its experts in host memory.
+
+    The model holds the *host stack*: the experts `host_ids` (ascending) as consecutive rows of a
+    host slab. `resident` is the *resident stack* on the device: the other experts, ascending. The
+    index map says where expert e lives: `on_host[e]` (which stack) and `row[e]` (its row there);
+    both are device tensors, so the experts function looks routed ids up without a host round trip.
+    """
+
+    resident: torch.Tensor              # [E - len(host_ids), ...] on the device
+    host_ids: tuple[int, ...]           # ascending, distinct, in [0, num_experts)
+    num_experts: int
+    on_host: torch.Tensor = field(init=False, repr=False, compare=False)   # [E] bool
+    row: torch.Tensor = field(init=False, repr=False, compare=False)       # [E] int64
+
+    def __post_init__(self):
+        on_host = torch.zeros(self.num_experts, dtype=torch.bool)
+        on_host[list(self.host_ids)] = True
+        row = torch.empty(self.num_experts, dtype=torch.long)
+        row[on_host] = torch.arange(int(on_host.sum()))
+        row[~on_host] = torch.arange(self.num_experts - int(on_host.sum()))
+        object.__setattr__(self, "on_host", on_host.to(self.resident.device))
+        object.__setattr__(self, "row", row.to(self.resident.device))
+
+    @property
+    def resident_ids(self) -> tuple[int, ...]:
+        host = set(self.host_ids)
+        return tuple(e for e in range(self.num_experts) if e not in host)
+
+    def where(self, expert: int) -> tuple[str, int]:
+        """(tier, row in that tier's stack) of one expert."""
+        from .planner import Tier
+
+        if expert in self.host_ids:
+            return Tier.HOST.value, self.host_ids.index(expert)
+        return Tier.DEVICE.value, self.resident_ids.index(expert)
+
+
+def expert_runs(ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(first row, first expert, count) of each run of consecutive expert ids: a stack's rows are filled
+    from a tensor that spans every expert by one slice copy per run (one for a whole tensor)."""
+    runs: list[tuple[int, int, int]] = []
+    for row, e in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == e:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((row, e, 1))
+    return runs
+
+
 @dataclass
 class Slab:
     region: str

@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["FAMILIES", "AUTO_CLASSES", "DTYPES", "make_tiny"]
+__all__ = ["FAMILIES", "AUTO_CLASSES", "DTYPES", "QUANT_FAMILIES", "make_tiny"]
 
 # Attention heads in every tiny model. Four heads with two KV heads exercises grouped-query
 # attention while keeping the per-head size reasonable at hidden=64.
@@ -406,7 +406,45 @@ def _check_args(
         )
 
 
+# Families whose tiny checkpoints can be written quantized: those transformers itself loads in that
+# format (gpt-oss is the only MXFP4 family; FP8 needs per-expert matrices on disk, which its
+# dequantizing loader reads).
+QUANT_FAMILIES: dict[str, tuple[str, ...]] = {
+    "fp8": ("qwen3_moe", "deepseek_v3", "qwen2_moe", "mixtral", "olmoe", "glm4_moe"),
+    "mxfp4": ("gpt_oss",),
+}
+
+
+def _check_quant(quant: str | None, family: str, hidden: int) -> None:
+    if quant is None:
+        return
+    if quant not in QUANT_FAMILIES:
+        raise _fail(f"unknown quant {quant!r}", "tiny checkpoints are quantized as fp8 or mxfp4",
+                    "pass quant='fp8' or quant='mxfp4'")
+    if family not in QUANT_FAMILIES[quant]:
+        raise _fail(f"quant={quant!r} is not available for {family}",
+                    f"{quant} checkpoints are written for {', '.join(QUANT_FAMILIES[quant])}",
+                    "pick one of these families, or another quant")
+    if quant == "mxfp4" and hidden % 64:
+        raise _fail(f"hidden={hidden} is invalid for mxfp4",
+                    "MXFP4 groups 32 values along each input dimension: the hidden size and the experts' "
+                    "width (1.5 x hidden) must both be multiples of 32", "pass a multiple of 64, e.g. 64")
+
+
+def _quant_skips(family: str, layers: int, quant: str) -> list[str] | None:
+    """`modules_to_not_convert` in the style each family's released quantized config uses."""
+    if quant == "mxfp4":  # gpt-oss: only the experts are MXFP4
+        return ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+    if family == "deepseek_v3":
+        return None  # DeepSeek-V3 ships no list: transformers' default keeps the LM head unquantized
+    # In the style of Qwen3-FP8: the LM head, plus every layer's norms and router gate by name.
+    per_layer = ("input_layernorm", "mlp.gate", "post_attention_layernorm")
+    return ["lm_head", *(f"model.layers.{i}.{m}" for i in range(layers) for m in per_layer), "model.norm"]
+
+
 def _check_target(out: Path) -> None:
+    """Refuse a target make_tiny could not fill, before anything is built: FileExistsError (a file, or a
+    non-empty folder), NotADirectoryError (a path through a file), PermissionError (nowhere to write)."""
     if out.exists() and not out.is_dir():
         raise FileExistsError(
             f"cannot write a tiny model to {out}: it exists and is not a directory. "
@@ -417,6 +455,25 @@ def _check_target(out: Path) -> None:
             f"cannot write a tiny model to {out}: the directory is not empty and make_tiny never "
             "overwrites existing files. Fix: choose a new or empty directory, or delete this one first."
         )
+    # The folder is built next to `out` and renamed into place: its nearest existing ancestor must be a
+    # directory we can create things in. Probed by doing it, since permission bits say nothing for root
+    # (or on read-only and virtual file systems such as /sys).
+    base = out.parent
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        raise NotADirectoryError(
+            f"cannot write a tiny model to {out}: {base} is a file, not a directory. "
+            "Fix: choose a path whose parents are directories."
+        )
+    try:
+        probe = tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=base)
+    except OSError as exc:
+        raise PermissionError(
+            f"cannot write a tiny model to {out}: nothing can be created in {base} ({exc.strerror}). "
+            "Fix: choose a directory you can write to."
+        ) from exc
+    os.rmdir(probe)
 
 
 def _build_tokenizer(vocab_size: int, specials: tuple[str, ...], max_len: int):
@@ -473,25 +530,35 @@ def make_tiny(
     top_k: int = 2,
     hidden: int = 64,
     seed: int = 0,
-    dtype: str = "float32",
+    dtype: str | None = None,
     vocab_size: int = 512,
+    quant: str | None = None,
 ) -> Path:
     """Write a tiny random-weight MoE model folder of the given ``family`` to ``out_dir``.
 
     ``layers`` decoder layers, ``experts`` routed experts per MoE layer of which ``top_k``
     are used per token, hidden size ``hidden`` (4 attention heads), weights drawn from
     ``seed`` and saved in ``dtype`` ("float32", "bfloat16" or "float16"; "fp32", "bf16",
-    "fp16" also accepted), and a tokenizer of exactly ``vocab_size`` tokens (at least 260;
-    264 for qwen3_vl_moe, whose vision placeholders are special tokens). Returns the
-    folder's absolute path.
+    "fp16" also accepted; default float32, bfloat16 with ``quant``), and a tokenizer of
+    exactly ``vocab_size`` tokens (at least 260; 264 for qwen3_vl_moe, whose vision
+    placeholders are special tokens). Returns the folder's absolute path.
+
+    ``quant`` ("fp8" or "mxfp4", see :data:`QUANT_FAMILIES`) then rewrites the weights in the
+    on-disk format the released models use (:func:`moe_offload.quant.quantize_checkpoint`):
+    FP8 e4m3 Linear and expert weights with ``weight_scale_inv`` block scales (DeepSeek-V3,
+    Qwen3-FP8; the block is the largest power of two up to 128x128 that tiles the tiny
+    matrices exactly), or gpt-oss MXFP4 experts (``*_blocks`` / ``*_scales``); the other
+    tensors stay in ``dtype``, and config.json gets the matching ``quantization_config``.
 
     The folder appears atomically (built in a temporary sibling, then renamed). Raises
     ``FileExistsError`` if ``out_dir`` exists and is not an empty directory, and
     ``ValueError`` for an unknown family or impossible sizes, before writing anything.
     """
-    dtype = _canonical_dtype(dtype)
+    # Released quantized checkpoints keep their unquantized tensors in bfloat16.
+    dtype = _canonical_dtype(dtype if dtype is not None else ("bfloat16" if quant else "float32"))
     specials = _SPECIAL_TOKENS + (_VISION_TOKENS if family == "qwen3_vl_moe" else ())
     _check_args(family, layers, experts, top_k, hidden, vocab_size, len(specials))
+    _check_quant(quant, family, hidden)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise _fail(f"seed={seed!r} is not an integer", "it seeds torch's generator", "pass an int")
     out = Path(out_dir).expanduser().absolute()
@@ -546,6 +613,11 @@ def make_tiny(
         # mkdtemp creates the folder 0700; give the final folder ordinary permissions.
         tmp.chmod(0o755)
         _save_weights(model, auto_cls, getattr(torch, dtype), tmp)
+        if quant is not None:
+            from .quant import QuantFormat, quantize_checkpoint
+
+            skips = _quant_skips(family, layers, quant)
+            quantize_checkpoint(tmp, model, QuantFormat(quant), modules_to_not_convert=skips)
         tokenizer.save_pretrained(tmp)
         record = {
             "family": family,
@@ -555,6 +627,7 @@ def make_tiny(
             "hidden": hidden,
             "seed": seed,
             "dtype": dtype,
+            "quant": quant,
             "vocab_size": len(tokenizer),
             "auto_class": AUTO_CLASSES[family],
             "transformers_version": transformers.__version__,

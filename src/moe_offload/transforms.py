@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 
@@ -64,9 +66,9 @@ def transform_weights(model: nn.Module, fn: Transform, *, names: Iterable[str] |
 
     Offloaded weights are given to `fn` as host tensors and stay on the host; resident ones
     as device tensors. A routed-expert tensor split between tiers is given to `fn` in its two
-    parts (experts on the host, then experts on the device), so `fn` must act expert by expert
-    (e.g. transpose the last two dims). Returns the names transformed. Raises AuditError if
-    anything moved.
+    stacks (its experts on the host, then those on the device), so `fn` must act expert by expert
+    (e.g. transpose the last two dims) and keep each stack's experts. Returns the names
+    transformed. Raises AuditError if anything moved.
     """
     runtime = _runtime(model)
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -80,15 +82,15 @@ def transform_weights(model: nn.Module, fn: Transform, *, names: Iterable[str] |
             if name in runtime.host_names:
                 with torch.no_grad():
                     new = fn(name, runtime.host_tensors[name])
-                    # a split tensor's first experts, on the device: the same transform, computed before
-                    # either part is replaced so that a failure leaves both as they were
-                    part = fn(name, runtime.splits[name][0]) if name in runtime.splits else None
+                    # a split tensor's resident stack, on the device: the same transform, computed before
+                    # either stack is replaced so that a failure leaves both as they were
+                    part = fn(name, runtime.splits[name].resident) if name in runtime.splits else None
                 if new.device.type != "cpu":
                     raise MoeOffloadError(f"the transform moved offloaded {name} to {new.device}; transforms of "
                                           "offloaded weights must stay on the host")
                 set_tensor(model, name, _rehost(runtime, name, new, tensors[name]))
                 if part is not None:
-                    runtime.splits[name] = (part, runtime.splits[name][1])
+                    runtime.splits[name] = dataclasses.replace(runtime.splits[name], resident=part)
             else:
                 with torch.no_grad():
                     set_tensor(model, name, fn(name, tensors[name]))
@@ -106,15 +108,15 @@ def update_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> Non
         if name not in live:
             raise MoeOffloadError(f"{name!r} is not a tensor of this model; check the name against named_parameters()")
         target = runtime.host_tensors.get(name, live[name])
-        if name in runtime.splits:  # [E, ...]: the first experts go to the device part, the rest to the host
-            part, resident = runtime.splits[name]
-            if tuple(value.shape) != (resident + target.shape[0], *target.shape[1:]):
+        if name in runtime.splits:  # [E, ...]: each expert's row goes to the stack that holds it
+            split = runtime.splits[name]
+            if tuple(value.shape) != (split.num_experts, *target.shape[1:]):
                 raise MoeOffloadError(f"{name}: new value has shape {list(value.shape)}, the weight has "
-                                      f"{[resident + target.shape[0], *target.shape[1:]]}; apply the same "
+                                      f"{[split.num_experts, *target.shape[1:]]}; apply the same "
                                       "transforms to the update first")
             with torch.no_grad():
-                part.copy_(value[:resident])
-                target.copy_(value[resident:])
+                split.resident.copy_(value[list(split.resident_ids)])
+                target.copy_(value[list(split.host_ids)])
             continue
         if tuple(value.shape) != tuple(target.shape):
             raise MoeOffloadError(f"{name}: new value has shape {list(value.shape)}, the weight has "

@@ -1,0 +1,153 @@
+"""The one definition of the bytes a decoded token reads from each tier (DESIGN.md, "accounting").
+
+The planner's estimate (Plan.link_bytes_per_token), `replay` and the runtime's LinkCounter all
+count the same thing. At batch 1 a decode token reads, from the tier where each lies:
+
+    every offloaded dense tensor of the language model, in full (towers run at prefill only)
+    one row of every offloaded lookup table (the input embedding)
+    of each fused routed-expert tensor [E, ...]: bytes // E for every expert it picked that is offloaded
+
+so a token's bytes are `dense + sum over layers of expert_bytes[layer][picked]`. The expected
+value follows from the probability that a token reads each expert: k/E under uniform routing,
+or measured frequencies; at batch b a step reads an expert when any of its b tokens picks it
+(1 - (1 - p)^b, tokens taken as independent) and the step's bytes are shared by b tokens.
+
+This module takes PlannedTensor-like objects (name, shape, bytes, layer, component, role, tier,
+experts, top_k, offloaded_bytes, host_ids) and never imports the planner: the planner imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Protocol, Sequence
+
+import numpy as np
+
+HOST, DISK = "host", "disk"
+_ROUTED, _EMBEDDING = "routed_expert", "embedding"
+
+
+class TensorLike(Protocol):
+    name: str
+    shape: tuple[int, ...]
+    bytes: int
+    layer: int | None
+    component: str
+    role: str
+    tier: str
+    experts: int | None
+    top_k: int | None
+
+    @property
+    def offloaded_bytes(self) -> int: ...
+
+    @property
+    def host_ids(self) -> tuple[int, ...]: ...
+
+
+def expert_ids_offloaded(t: TensorLike) -> tuple[int, ...]:
+    """The expert ids whose slice of a routed tensor is offloaded: its host_ids, or all E when it went whole."""
+    if t.tier not in (HOST, DISK) or t.role != _ROUTED or not t.experts:
+        return ()
+    return t.host_ids or tuple(range(t.experts))
+
+
+def expert_slice_bytes(t: TensorLike) -> int:
+    """Bytes of one expert of a routed tensor: what the runtime moves per selected expert (`t[e]`)."""
+    return t.bytes // t.experts
+
+
+@dataclass(frozen=True, eq=False)
+class TokenBytes:
+    """Per-tier bytes a decoded token reads, for one placement.
+
+    layers: the routed layers, ascending (the `layers` of a matching trace header);
+    expert_host / expert_disk: int64 [len(layers), E], offloaded bytes of each expert of each layer;
+    dense_host / dense_disk: bytes every decode token reads whatever it routes (batch 1).
+    """
+
+    layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    expert_host: np.ndarray
+    expert_disk: np.ndarray
+    dense_host: int
+    dense_disk: int
+    # (tier, kind, offloaded bytes, rows or experts, top_k) per offloaded language tensor, for expectations
+    _terms: tuple[tuple[str, str, int, int, int], ...] = ()
+
+    @classmethod
+    def of(cls, tensors: Iterable[TensorLike]) -> "TokenBytes":
+        tensors = list(tensors)
+        routed = [t for t in tensors if t.role == _ROUTED and t.experts and t.layer is not None]
+        layers = tuple(sorted({t.layer for t in routed}))
+        e = max((t.experts for t in routed), default=0)
+        k = max((t.top_k or 0 for t in routed), default=0)
+        row = {layer: i for i, layer in enumerate(layers)}
+        expert = {HOST: np.zeros((len(layers), e), dtype=np.int64), DISK: np.zeros((len(layers), e), dtype=np.int64)}
+        dense = {HOST: 0, DISK: 0}
+        terms = []
+        for t in tensors:
+            if t.tier not in (HOST, DISK) or t.component != "language":
+                continue   # resident, or a tower that runs at prefill only: a decoded token reads none of it
+            if t.role == _ROUTED and t.experts and t.layer is not None:
+                ids = list(expert_ids_offloaded(t))
+                expert[t.tier][row[t.layer], ids] += expert_slice_bytes(t)
+                terms.append((t.tier, _ROUTED, t.offloaded_bytes, t.experts, t.top_k or 0))
+            elif t.role == _EMBEDDING and t.shape:
+                dense[t.tier] += t.bytes // t.shape[0]     # one row per decoded token
+                terms.append((t.tier, _EMBEDDING, t.offloaded_bytes, t.shape[0], 0))
+            else:
+                dense[t.tier] += t.offloaded_bytes
+                terms.append((t.tier, "dense", t.offloaded_bytes, 1, 0))
+        return cls(layers, e, k, expert[HOST], expert[DISK], dense[HOST], dense[DISK], tuple(terms))
+
+    # --- one token ---------------------------------------------------------------------------------------
+    def expert_bytes(self, layer: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(host, disk) offloaded bytes of each expert id of `layer`."""
+        i = self.layers.index(layer)
+        return tuple(self.expert_host[i].tolist()), tuple(self.expert_disk[i].tolist())
+
+    def bytes_for_token(self, experts_per_layer: Mapping[int, Iterable[int]] | Sequence[Iterable[int]]
+                        ) -> tuple[int, int]:
+        """(host, disk) bytes one decoded token reads, given the distinct experts it picked per layer:
+        a mapping layer -> ids, or one list per routed layer in `layers` order (a trace row's `experts`)."""
+        pairs = experts_per_layer.items() if isinstance(experts_per_layer, Mapping) \
+            else zip(self.layers, experts_per_layer, strict=True)
+        host, disk = self.dense_host, self.dense_disk
+        for layer, ids in pairs:
+            i = self.layers.index(layer)
+            ids = list(ids)
+            host += int(self.expert_host[i, ids].sum())
+            disk += int(self.expert_disk[i, ids].sum())
+        return host, disk
+
+    # --- expectations ------------------------------------------------------------------------------------
+    def expected(self, batch: int = 1, frequencies: Mapping[int, Sequence[float]] | None = None
+                 ) -> tuple[float, float]:
+        """(host, disk) expected bytes per decoded token at `batch` sequences decoded together.
+
+        frequencies: layer -> per expert, the probability that one token picks it (sums to about
+        top_k per layer); None: uniform routing, k/E each. Lookup tables: min(b, rows) rows per step.
+        """
+        b = batch
+        if frequencies is not None:
+            p = np.array([frequencies[layer] for layer in self.layers], dtype=np.float64).reshape(
+                len(self.layers), self.num_experts)
+            step = 1.0 - (1.0 - np.clip(p, 0.0, 1.0)) ** b
+        out = {HOST: 0.0, DISK: 0.0}
+        for tier, kind, nbytes, n, k in self._terms:
+            if kind == _ROUTED and frequencies is None:
+                out[tier] += nbytes * (1.0 - (1.0 - k / n) ** b)
+            elif kind == _EMBEDDING:
+                out[tier] += nbytes * (min(b, n) / n)
+            elif kind == "dense":
+                out[tier] += nbytes
+        if frequencies is not None:
+            out[HOST] += float((self.expert_host * step).sum())
+            out[DISK] += float((self.expert_disk * step).sum())
+        return out[HOST] / b, out[DISK] / b
+
+    def expected_total(self, batch: int = 1, frequencies: Mapping[int, Sequence[float]] | None = None) -> float:
+        host, disk = self.expected(batch, frequencies)
+        return host + disk
