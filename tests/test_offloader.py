@@ -156,6 +156,12 @@ def test_declaration_policy_and_selectors():
     off.finalize()
     assert [n for n, t in off.tiers().items() if t == "host"] == ["0.mlp.experts.down_proj"]
 
+    # A string is one selector, as in mo.plan (not the letters e, x, p, ...).
+    off = Offloader(offload_gb=DOWN / GiB, offload_params="experts.down_proj")
+    off.wrap_modules(iter([Layer()]))
+    off.finalize()
+    assert [n for n, t in off.tiers().items() if t == "host"] == ["0.mlp.experts.down_proj"]
+
     off = Offloader(offload_gb=DOWN / GiB, offload_params=["expert"])
     off.wrap_modules(iter([Layer()]))
     with pytest.raises(SelectorError, match="matched no tensor"):

@@ -64,7 +64,8 @@ class Offloader:
         self.plan_tiers = plan.tiers if plan is not None else None
         self.budget = math.ceil((offload_gb or 0) * GiB)
         self.policy = policy
-        self.selectors = tuple(offload_params or ())
+        # A string is one selector (as in mo.plan), not a sequence of one-letter selectors.
+        self.selectors = (offload_params,) if isinstance(offload_params, str) else tuple(offload_params or ())
         self.arena = HostArena(self.device, want_uva=True)
         self._tiers: dict[str, str] = {}
         self._pending_dense: list[tuple[nn.Module, str, str, int]] = []  # (module, local name, full name, bytes)

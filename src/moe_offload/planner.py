@@ -15,7 +15,7 @@ Explicit selectors make only matching tensors eligible, in declaration order.
 `frequency` places expert by expert from routing statistics (decode-token counts per expert
 per layer, e.g. traces.expert_counts): one expert of one layer (its slices of all the layer's
 fused expert tensors, read together) is one unit, with density = its smoothed share of the
-layer's picks times top_k (comparable with dense 1 and uniform k/E; see expert_densities).
+layer's picks times top_k (comparable with dense 1 and uniform k/E; frequency.py).
 Units go lowest density first across the model; lookup tables and dense tensors as above.
 
 The expected link traffic per decoded token follows from the same numbers (accounting.py):
@@ -24,206 +24,17 @@ The expected link traffic per decoded token follows from the same numbers (accou
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass, field
-from enum import Enum
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from .accounting import TokenBytes
 from .errors import BudgetError, SelectorError
 from .inventory import Inventory, TensorRecord
+# The plan's data types live in placement.py; they are re-exported here, where users have always imported them.
+from .placement import GiB, PLAN_FORMAT, Plan, PlannedTensor, Policy, Tier, format_bytes  # noqa: F401
 from .roles import Role, assign, family_note
 
-GiB = 1 << 30
 DEFAULT_RESERVE_GB = 2.0  # activations + KV cache kept free with --device-memory, unless --reserve-gb says otherwise
-PLAN_FORMAT = 1
-# Smoothing of routing statistics: every expert counts FREQUENCY_PSEUDOCOUNT picks more than it was seen, so an
-# expert no trace saw keeps a small density instead of 0 (and a layer with no statistics is uniform, k/E).
-FREQUENCY_PSEUDOCOUNT = 1.0
-
-
-class Tier(str, Enum):
-    DEVICE = "device"
-    HOST = "host"
-    DISK = "disk"
-
-
-class Policy(str, Enum):
-    SPARSE_FIRST = "sparse-first"
-    DECLARATION = "declaration"
-    FREQUENCY = "frequency"  # expert by expert, from routing statistics (`stats`)
-    EXPLICIT = "explicit"  # set by `offload_params`, not chosen by name
-
-
-@dataclass(frozen=True)
-class PlannedTensor:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    bytes: int
-    layer: int | None
-    component: str
-    role: str
-    is_buffer: bool
-    experts: int | None     # E, for routed experts
-    top_k: int | None       # k, for routed experts
-    tier: str
-    reason: str
-    # A routed-expert tensor [E, ...] split between tiers: its last `host_experts` experts are on the host,
-    # the others on the device (tier "host"). 0: the tensor lies whole in its tier.
-    host_experts: int = 0
-    # The sorted ids of the experts on the host when the tensor is offloaded in part or whole by expert
-    # (frequency placement: any subset, not only the last n). Empty: the last `host_experts` experts, if any.
-    host_expert_ids: tuple[int, ...] = ()
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def host_ids(self) -> tuple[int, ...]:
-        """Ids of the experts of a split tensor that lie on the host (ascending); () for a whole tensor."""
-        if self.host_expert_ids:
-            return self.host_expert_ids
-        if self.host_experts:
-            return tuple(range(self.shape[0] - self.host_experts, self.shape[0]))
-        return ()
-
-    @property
-    def resident_experts(self) -> int:
-        """Experts [0, resident_experts) of a split tensor stay on the device."""
-        return self.shape[0] - self.host_experts if self.host_experts else 0
-
-    @property
-    def offloaded_bytes(self) -> int:
-        if self.tier == Tier.DEVICE:
-            return 0
-        if self.host_experts:
-            return self.bytes // self.shape[0] * self.host_experts
-        return self.bytes
-
-    def density(self, batch: int = 1) -> float:
-        """Expected fraction of this tensor's bytes read by one decode step of `batch` sequences."""
-        if self.role == Role.ROUTED_EXPERT and self.experts and self.top_k:
-            return 1.0 - (1.0 - self.top_k / self.experts) ** batch
-        if self.role == Role.EMBEDDING and self.shape:
-            return min(batch, self.shape[0]) / self.shape[0]
-        return 1.0
-
-
-@dataclass(frozen=True)
-class Plan:
-    tensors: tuple[PlannedTensor, ...]
-    model_type: str
-    policy: str
-    budget_bytes: int
-    batch: int = 1
-    offload_params: tuple[str, ...] = ()
-    notes: tuple[str, ...] = field(default=())
-    # frequency plans: (layer, per expert the probability that one decoded token picks it), from the statistics
-    expert_densities: tuple[tuple[int, tuple[float, ...]], ...] = ()
-
-    # --- views -------------------------------------------------------------------------
-    @property
-    def tiers(self) -> dict[str, str]:
-        return {t.name: t.tier for t in self.tensors}
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(t.bytes for t in self.tensors)
-
-    @property
-    def offloaded_bytes(self) -> int:
-        return sum(t.offloaded_bytes for t in self.tensors)
-
-    @property
-    def resident_bytes(self) -> int:
-        return self.total_bytes - self.offloaded_bytes
-
-    @property
-    def total_params(self) -> int:
-        return sum(t.numel for t in self.tensors if not t.is_buffer)
-
-    @property
-    def active_params(self) -> int:
-        """Parameters read per decoded token: all but the input embedding, routed experts at k/E."""
-        total = 0.0
-        for t in self.tensors:
-            if t.is_buffer or t.role == Role.EMBEDDING:
-                continue
-            total += t.numel * (t.top_k / t.experts if t.role == Role.ROUTED_EXPERT and t.experts else 1.0)
-        return round(total)
-
-    @property
-    def frequencies(self) -> dict[int, tuple[float, ...]] | None:
-        """layer -> per-expert pick probability of a frequency plan; None: uniform routing is assumed."""
-        return dict(self.expert_densities) if self.expert_densities else None
-
-    def token_bytes(self) -> TokenBytes:
-        """What a decoded token of this plan reads from each tier (accounting.py)."""
-        return TokenBytes.of(self.tensors)
-
-    def link_bytes_per_token(self, batch: int | None = None) -> float:
-        """Expected bytes of offloaded weights read per decoded token (accounting.TokenBytes.expected).
-
-        Towers other than the language model (vision, audio) run at prefill only: a decoded
-        token reads none of their bytes. (They still rank as dense tensors, after the experts.)
-        Frequency plans weigh each expert by its measured pick probability, others by k/E.
-        """
-        return self.token_bytes().expected_total(batch or self.batch, self.frequencies)
-
-    def roles(self) -> dict[str, dict[str, int]]:
-        out: dict[str, dict[str, int]] = {r.value: {"params": 0, "bytes": 0, "offloaded_bytes": 0} for r in Role}
-        for t in self.tensors:
-            row = out[t.role]
-            row["params"] += 0 if t.is_buffer else t.numel
-            row["bytes"] += t.bytes
-            row["offloaded_bytes"] += t.offloaded_bytes
-        return out
-
-    # --- serialisation -----------------------------------------------------------------
-    def to_dict(self) -> dict:
-        return {
-            "format": PLAN_FORMAT,
-            "model_type": self.model_type,
-            "policy": self.policy,
-            "batch": self.batch,
-            "offload_params": list(self.offload_params),
-            "total_params": self.total_params,
-            "active_params": self.active_params,
-            "total_bytes": self.total_bytes,
-            "offloaded_bytes": self.offloaded_bytes,
-            "resident_bytes": self.resident_bytes,
-            "budget_bytes": self.budget_bytes,
-            "link_bytes_per_token": self.link_bytes_per_token(),
-            "roles": self.roles(),
-            "tensors": [dict(asdict(t), shape=list(t.shape)) for t in self.tensors],
-            "notes": list(self.notes),
-            "expert_densities": {str(layer): list(p) for layer, p in self.expert_densities},
-        }
-
-    def to_json(self, indent: int | None = None) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
-
-    @classmethod
-    def from_json(cls, text: str) -> "Plan":
-        from .errors import MoeOffloadError
-
-        try:
-            data = json.loads(text)
-            if data.get("format") != PLAN_FORMAT:
-                raise ValueError(f"plan format {data.get('format')!r}, this moe-offload reads format {PLAN_FORMAT}")
-            tensors = tuple(PlannedTensor(**{**t, "shape": tuple(t["shape"]), "tier": Tier(t["tier"]).value,
-                                             "host_expert_ids": tuple(t.get("host_expert_ids", ()))})
-                            for t in data["tensors"])
-            densities = tuple((int(layer), tuple(float(x) for x in p))
-                              for layer, p in data.get("expert_densities", {}).items())
-            return cls(tensors, data["model_type"], data["policy"], int(data["budget_bytes"]), int(data["batch"]),
-                       tuple(data.get("offload_params", ())), tuple(data.get("notes", ())), densities)
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise MoeOffloadError(f"not a moe-offload plan ({type(exc).__name__}: {exc}); save one with "
-                                  "`moe-offload plan --save PLAN.json`") from exc
 
 
 # ---------------------------------------------------------------------------------------
@@ -246,14 +57,6 @@ class Budget:
             raise BudgetError("offload_gb and device_memory_gb both set a budget: give one of them")
         if self.reserve_gb is not None and self.device_memory_gb is None:
             raise BudgetError("reserve_gb only applies with device_memory_gb: add device_memory_gb or drop it")
-
-
-def format_bytes(n: float) -> str:
-    """Bytes for people: GiB, MiB or KiB with 2 decimals (powers of 2), or plain bytes."""
-    for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 _gib = format_bytes
@@ -371,7 +174,9 @@ def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: f
         return roles[i] not in (Role.ROUTED_EXPERT, Role.EMBEDDING)
 
     if policy_ is Policy.FREQUENCY:
-        return _plan_frequency(inv, roles, stats, target, batch, notes, density, dense)
+        from .frequency import plan_frequency  # it builds on this module's helpers: imported when used
+
+        return plan_frequency(inv, roles, stats, target, batch, notes, density, dense)
     order = sorted(eligible, key=lambda i: (density(i), dense(i), i)) if policy_ is Policy.SPARSE_FIRST else eligible
     offloaded: set[int] = set()
     split: dict[int, int] = {}   # index -> experts on the host, for a routed-expert tensor offloaded in part
@@ -432,113 +237,6 @@ def _experts_of(record: TensorRecord, role: Role, inv: Inventory) -> int:
             or "Experts" not in record.module_class:   # only a fused experts module's tensors have an expert axis
         return 0
     return e if record.bytes % e == 0 else 0
-
-
-def routed_layers(inv: Inventory, roles: Sequence[Role] | None = None) -> tuple[int, ...]:
-    """The layers holding routed experts, ascending: the `layers` a trace of this model names."""
-    roles = assign(inv) if roles is None else roles
-    return tuple(sorted({r.layer for r, role in zip(inv.records, roles)
-                         if role == Role.ROUTED_EXPERT and r.layer is not None}))
-
-
-def expert_densities(counts: Sequence[float], top_k: int) -> tuple[float, ...]:
-    """Per expert of one layer, the probability that a decoded token picks it, from its pick counts.
-
-    p_e = top_k * (c_e + a) / (sum(c) + a * E), a = FREQUENCY_PSEUDOCOUNT, at most 1: the smoothed share of
-    the layer's picks times top_k. It sums to top_k over a layer, as uniform k/E does, so it ranks against
-    dense tensors (1) and lookup tables on one scale; an expert never picked gets top_k * a / (sum(c) + a * E),
-    small but not 0, and a layer without statistics is uniform.
-    """
-    a = FREQUENCY_PSEUDOCOUNT
-    total = sum(counts) + a * len(counts)
-    return tuple(min(1.0, top_k * (c + a) / total) for c in counts)
-
-
-def _check_stats(stats: Mapping[int, Sequence[float]], inv: Inventory, layers: tuple[int, ...]) -> None:
-    fix = "give statistics of this model (`moe-offload profile MODEL --out TRACE`, then --stats TRACE)"
-    if not layers:
-        raise SelectorError(f"--policy frequency places routed experts, and this {inv.model_type} model has none: "
-                            "use sparse-first")
-    if set(stats) != set(layers):
-        raise SelectorError(f"--stats: the routing statistics cover layers {sorted(stats, key=str)} but this "
-                            f"{inv.model_type} model routes layers {list(layers)}; {fix}")
-    for layer in layers:
-        counts = list(stats[layer])
-        if len(counts) != inv.num_experts:
-            raise SelectorError(f"--stats: layer {layer} counts {len(counts)} experts but this {inv.model_type} "
-                                f"model has {inv.num_experts} per layer; {fix}")
-        bad = [c for c in counts if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c)
-               or c < 0]
-        if bad:
-            raise SelectorError(f"--stats: layer {layer} has count {bad[0]!r}; counts are numbers of decode "
-                                "tokens, >= 0")
-
-
-def _plan_frequency(inv: Inventory, roles: Sequence[Role], stats: Mapping[int, Sequence[float]], target: int,
-                    batch: int, notes: list[str], density, dense) -> Plan:
-    """Expert-granular placement: each expert of each layer is a unit, ranked by its pick probability."""
-    records, e, k = inv.records, inv.num_experts, inv.top_k
-    layers = routed_layers(inv, roles)
-    _check_stats(stats, inv, layers)
-    p = {layer: expert_densities(list(stats[layer]), k) for layer in layers}
-    fused: dict[int, list[int]] = {}   # layer -> its fused [E, ...] expert tensors: one expert reads all their slices
-    for i, (r, role) in enumerate(zip(records, roles)):
-        if r.layer is not None and _experts_of(r, role, inv):
-            fused.setdefault(r.layer, []).append(i)
-    in_fused = {i for idx in fused.values() for i in idx}
-    # A unit: (density at the batch, dense?, declaration index, expert id or -1, bytes, layer of an expert unit).
-    # Ties go to the earlier layer (declaration order), then the lower expert id; dense tensors of equal
-    # density after experts, as in sparse-first. Other tensors (not fused) go whole, at their usual density.
-    units = [(1.0 - (1.0 - p[layer][x]) ** batch, False, idx[0], x, sum(records[i].bytes // e for i in idx), layer)
-             for layer, idx in fused.items() for x in range(e)]
-    units += [(density(i), dense(i), i, -1, records[i].bytes, None) for i in range(len(records)) if i not in in_fused]
-    units.sort(key=lambda u: u[:4])
-    host: dict[int, set[int]] = {layer: set() for layer in fused}
-    whole: set[int] = set()
-    done, last = 0, None
-    for unit in units:
-        if done >= target:
-            break
-        _, _, i, x, nbytes, layer = unit
-        if layer is None:
-            whole.add(i)
-        else:
-            host[layer].add(x)
-        done += nbytes
-        last = unit
-
-    tensors, offloaded = [], set()
-    for i, (r, role) in enumerate(zip(records, roles)):
-        routed = role == Role.ROUTED_EXPERT
-        ids = tuple(sorted(host[r.layer])) if i in in_fused else ()
-        off = bool(ids) or i in whole
-        if off:
-            offloaded.add(i)
-        reason = _reason(off, Policy.FREQUENCY, role, density(i), False)
-        if ids:
-            lo, hi = min(p[r.layer][x] for x in ids), max(p[r.layer][x] for x in ids)
-            reason = (f"offloaded by expert: {len(ids)} of {e} experts, picked by {lo:.4g} to {hi:.4g} of decoded "
-                      "tokens (routing statistics)")
-        tensors.append(PlannedTensor(
-            r.name, r.shape, r.dtype, r.bytes, r.layer, r.component, role.value, r.is_buffer,
-            e if routed else None, k if routed else None, (Tier.HOST if off else Tier.DEVICE).value, reason,
-            len(ids), ids))
-
-    picks = [sum(stats[layer]) for layer in layers]
-    unseen = sum(1 for layer in layers for c in stats[layer] if c == 0)
-    floor = min(min(p[layer]) for layer in layers)
-    notes.append(f"frequency placement: each expert ranked by the share of decoded tokens that pick it, from "
-                 f"{min(picks):g} to {max(picks):g} expert picks per layer, smoothed by {FREQUENCY_PSEUDOCOUNT:g} "
-                 f"pick per expert ({unseen} experts never picked rank at {floor:.3g}, not 0)")
-    notes += _notes(records, roles, offloaded, target, done, None, Policy.FREQUENCY, range(len(records)), {})
-    if last is not None and done > target:
-        _, _, i, x, nbytes, layer = last
-        what = (f"expert {x} of layer {layer}, {nbytes} bytes over its {len(fused[layer])} tensors" if layer is not None
-                else f"{records[i].name}, {nbytes} bytes")
-        notes.append(f"offloaded {done - target} bytes more than the budget: experts and tensors move whole, and "
-                     f"the last one ({what}) crossed the target")
-    return Plan(tuple(tensors), inv.model_type, Policy.FREQUENCY.value, target, batch, (), tuple(notes),
-                tuple((layer, p[layer]) for layer in layers))
 
 
 def _reason(off: bool, policy: Policy, role: Role, density: float, selected: bool) -> str:

@@ -1,0 +1,131 @@
+"""Expert-granular placement from routing statistics: the `frequency` policy.
+
+Each expert of each layer (its slices of all the layer's fused expert tensors, which a token
+reads together) is one unit of placement, with density = the probability that one decoded
+token picks it: its smoothed share of the layer's picks times top_k (`expert_densities`).
+Units go to the host lowest density first across the whole model; tensors that are not
+fused expert tensors go whole at their usual density (lookup tables, then dense), as
+under sparse-first. Pure: the statistics are data passed in (traces.expert_counts).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+from .errors import SelectorError
+from .inventory import Inventory
+from .placement import Plan, PlannedTensor, Policy, Tier
+from .planner import _experts_of, _notes, _reason
+from .roles import Role, assign
+
+# Smoothing of routing statistics: every expert counts FREQUENCY_PSEUDOCOUNT picks more than it was seen, so an
+# expert no trace saw keeps a small density instead of 0 (and a layer with no statistics is uniform, k/E).
+FREQUENCY_PSEUDOCOUNT = 1.0
+
+
+def routed_layers(inv: Inventory, roles: Sequence[Role] | None = None) -> tuple[int, ...]:
+    """The layers holding routed experts, ascending: the `layers` a trace of this model names."""
+    roles = assign(inv) if roles is None else roles
+    return tuple(sorted({r.layer for r, role in zip(inv.records, roles)
+                         if role == Role.ROUTED_EXPERT and r.layer is not None}))
+
+
+def expert_densities(counts: Sequence[float], top_k: int) -> tuple[float, ...]:
+    """Per expert of one layer, the probability that a decoded token picks it, from its pick counts.
+
+    p_e = top_k * (c_e + a) / (sum(c) + a * E), a = FREQUENCY_PSEUDOCOUNT, at most 1: the smoothed share of
+    the layer's picks times top_k. It sums to top_k over a layer, as uniform k/E does, so it ranks against
+    dense tensors (1) and lookup tables on one scale; an expert never picked gets top_k * a / (sum(c) + a * E),
+    small but not 0, and a layer without statistics is uniform.
+    """
+    a = FREQUENCY_PSEUDOCOUNT
+    total = sum(counts) + a * len(counts)
+    return tuple(min(1.0, top_k * (c + a) / total) for c in counts)
+
+
+def _check_stats(stats: Mapping[int, Sequence[float]], inv: Inventory, layers: tuple[int, ...]) -> None:
+    fix = "give statistics of this model (`moe-offload profile MODEL --out TRACE`, then --stats TRACE)"
+    if not layers:
+        raise SelectorError(f"--policy frequency places routed experts, and this {inv.model_type} model has none: "
+                            "use sparse-first")
+    if set(stats) != set(layers):
+        raise SelectorError(f"--stats: the routing statistics cover layers {sorted(stats, key=str)} but this "
+                            f"{inv.model_type} model routes layers {list(layers)}; {fix}")
+    for layer in layers:
+        counts = list(stats[layer])
+        if len(counts) != inv.num_experts:
+            raise SelectorError(f"--stats: layer {layer} counts {len(counts)} experts but this {inv.model_type} "
+                                f"model has {inv.num_experts} per layer; {fix}")
+        bad = [c for c in counts if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c)
+               or c < 0]
+        if bad:
+            raise SelectorError(f"--stats: layer {layer} has count {bad[0]!r}; counts are numbers of decode "
+                                "tokens, >= 0")
+
+
+def plan_frequency(inv: Inventory, roles: Sequence[Role], stats: Mapping[int, Sequence[float]], target: int,
+                    batch: int, notes: list[str], density, dense) -> Plan:
+    """Expert-granular placement: each expert of each layer is a unit, ranked by its pick probability."""
+    records, e, k = inv.records, inv.num_experts, inv.top_k
+    layers = routed_layers(inv, roles)
+    _check_stats(stats, inv, layers)
+    p = {layer: expert_densities(list(stats[layer]), k) for layer in layers}
+    fused: dict[int, list[int]] = {}   # layer -> its fused [E, ...] expert tensors: one expert reads all their slices
+    for i, (r, role) in enumerate(zip(records, roles)):
+        if r.layer is not None and _experts_of(r, role, inv):
+            fused.setdefault(r.layer, []).append(i)
+    in_fused = {i for idx in fused.values() for i in idx}
+    # A unit: (density at the batch, dense?, declaration index, expert id or -1, bytes, layer of an expert unit).
+    # Ties go to the earlier layer (declaration order), then the lower expert id; dense tensors of equal
+    # density after experts, as in sparse-first. Other tensors (not fused) go whole, at their usual density.
+    units = [(1.0 - (1.0 - p[layer][x]) ** batch, False, idx[0], x, sum(records[i].bytes // e for i in idx), layer)
+             for layer, idx in fused.items() for x in range(e)]
+    units += [(density(i), dense(i), i, -1, records[i].bytes, None) for i in range(len(records)) if i not in in_fused]
+    units.sort(key=lambda u: u[:4])
+    host: dict[int, set[int]] = {layer: set() for layer in fused}
+    whole: set[int] = set()
+    done, last = 0, None
+    for unit in units:
+        if done >= target:
+            break
+        _, _, i, x, nbytes, layer = unit
+        if layer is None:
+            whole.add(i)
+        else:
+            host[layer].add(x)
+        done += nbytes
+        last = unit
+
+    tensors, offloaded = [], set()
+    for i, (r, role) in enumerate(zip(records, roles)):
+        routed = role == Role.ROUTED_EXPERT
+        ids = tuple(sorted(host[r.layer])) if i in in_fused else ()
+        off = bool(ids) or i in whole
+        if off:
+            offloaded.add(i)
+        reason = _reason(off, Policy.FREQUENCY, role, density(i), False)
+        if ids:
+            lo, hi = min(p[r.layer][x] for x in ids), max(p[r.layer][x] for x in ids)
+            reason = (f"offloaded by expert: {len(ids)} of {e} experts, picked by {lo:.4g} to {hi:.4g} of decoded "
+                      "tokens (routing statistics)")
+        tensors.append(PlannedTensor(
+            r.name, r.shape, r.dtype, r.bytes, r.layer, r.component, role.value, r.is_buffer,
+            e if routed else None, k if routed else None, (Tier.HOST if off else Tier.DEVICE).value, reason,
+            len(ids), ids))
+
+    picks = [sum(stats[layer]) for layer in layers]
+    unseen = sum(1 for layer in layers for c in stats[layer] if c == 0)
+    floor = min(min(p[layer]) for layer in layers)
+    notes.append(f"frequency placement: each expert ranked by the share of decoded tokens that pick it, from "
+                 f"{min(picks):g} to {max(picks):g} expert picks per layer, smoothed by {FREQUENCY_PSEUDOCOUNT:g} "
+                 f"pick per expert ({unseen} experts never picked rank at {floor:.3g}, not 0)")
+    notes += _notes(records, roles, offloaded, target, done, None, Policy.FREQUENCY, range(len(records)), {})
+    if last is not None and done > target:
+        _, _, i, x, nbytes, layer = last
+        what = (f"expert {x} of layer {layer}, {nbytes} bytes over its {len(fused[layer])} tensors" if layer is not None
+                else f"{records[i].name}, {nbytes} bytes")
+        notes.append(f"offloaded {done - target} bytes more than the budget: experts and tensors move whole, and "
+                     f"the last one ({what}) crossed the target")
+    return Plan(tuple(tensors), inv.model_type, Policy.FREQUENCY.value, target, batch, (), tuple(notes),
+                tuple((layer, p[layer]) for layer in layers))
