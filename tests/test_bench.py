@@ -399,3 +399,111 @@ def test_bench_help_lists_no_policy_options_but_refuses_them(model_dir, capsys):
     assert {"--policy", "--offload-params"} <= plan_listed
     rc, _, err = _cli(["bench", str(model_dir), "--offload-gb", repr(BUDGET_GB), "--policy", "declaration"], capsys)
     assert rc == 2 and "--arms" in err
+
+
+# --- the accelerate arm: transformers + accelerate device_map="auto" at the same budget ------------------------
+# On this CPU-only run the "device" is host memory: accelerate may keep total - budget = 955904 B in RAM
+# (max_memory {"cpu": 955904}) and the rest goes to disk, re-read (page cache released) at every step.
+
+ACCEL_LEVELS = (1, 2)
+
+
+@pytest.fixture(scope="module")
+def accel_rows(model_dir) -> list[dict]:
+    return bench.run_bench(model_dir, arms="sparse-first,accelerate", concurrency=ACCEL_LEVELS, runs=1,
+                           max_new_tokens=3, offload_gb=BUDGET_GB, device="cpu", link_gbps=25.0)
+
+
+def _accel(rows) -> list[dict]:
+    return [r for r in rows if r["arm"] == "accelerate"]
+
+
+def _under(name: str, device_map: dict) -> str:
+    """The placement hf_device_map gives tensor `name` (its deepest enclosing entry)."""
+    parts = name.split(".")
+    return next(device_map[".".join(parts[:i])] for i in range(len(parts), -1, -1)
+                if ".".join(parts[:i]) in device_map)
+
+
+def test_accelerate_rows_have_the_contract_fields(accel_rows):
+    assert [(r["arm"], r["concurrency"]) for r in accel_rows] == \
+        [(a, c) for a in ("sparse-first", "accelerate") for c in ACCEL_LEVELS]
+    contract = {k: ROW_TYPES[k] for k in ("arm", "concurrency", "runs", "itl_p50_ms", "itl_p90_ms", "tok_s_itl",
+                                          "tok_s_wall", "ttft_ms", "spread_pct", "offloaded_bytes",
+                                          "link_bytes_per_token", "settings", "mechanism", "link_ms_per_token")}
+    contract.update(disk_read_bytes_per_token=float, host_link_bytes_per_token=float, link_measurement=str,
+                    peak_rss_bytes=int, offload_loaded_bytes_per_token=float)
+    for r in json.loads(json.dumps(_accel(accel_rows))):
+        for field, kind in contract.items():
+            assert isinstance(r[field], kind) and not isinstance(r[field], bool), (field, r[field])
+        assert r["runs"] == 1 and r["itl_samples"] == 2          # the warm-up run is not in the row
+        assert "read_bytes" in r["link_measurement"] and "POSIX_FADV_DONTNEED" in r["link_measurement"]
+    # every arm reports its peak resident memory (VmHWM, restarted before each arm loads)
+    assert all(isinstance(r["peak_rss_bytes"], int) and r["peak_rss_bytes"] > 100e6 for r in accel_rows)
+
+
+def test_accelerate_runs_at_the_bench_budget_read_back(model_dir, accel_rows):
+    plan = mo.plan(model_dir, offload_gb=BUDGET_GB)
+    assert plan.budget_bytes == EXPERTS_L0
+    for r in _accel(accel_rows):
+        s = r["settings"]
+        assert s["max_memory"] == {"cpu": plan.total_bytes - EXPERTS_L0} == {"cpu": 955904}
+        assert s["budget_bytes"] == EXPERTS_L0 and s["device"] == "cpu"
+        placed = s["bytes_by_placement"]
+        assert set(s["hf_device_map"].values()) <= {"cpu", "disk"} and sum(placed.values()) == plan.total_bytes
+        # read back from the model: every planned tensor under its hf_device_map entry
+        expect: dict[str, int] = {}
+        for t in plan.tensors:
+            expect[_under(t.name, s["hf_device_map"])] = expect.get(_under(t.name, s["hf_device_map"]), 0) + t.bytes
+        assert placed == expect
+        assert placed.get("cpu", 0) <= 955904                    # accelerate kept within max_memory
+        assert r["offloaded_bytes"] == placed["disk"] >= EXPERTS_L0
+        assert not Path(s["offload_folder"]).exists()             # removed with the arm
+
+
+def test_accelerate_disk_bytes_per_token_are_measured(model_dir, accel_rows):
+    plan = mo.plan(model_dir, offload_gb=BUDGET_GB)
+    for r in _accel(accel_rows):
+        c, dmap = r["concurrency"], r["settings"]["hf_device_map"]
+        on_disk = [t for t in plan.tensors if _under(t.name, dmap) == "disk"]
+        experts = sum(t.bytes for t in on_disk if t.role == "routed_expert")
+        assert experts >= EXPERTS_L0
+        per_step = r["disk_read_bytes_per_token"] * c
+        # Fused experts are re-saved to the offload folder and never stay mapped: with the page cache released
+        # before each step, every step reads them from disk again (the kernel may read a little ahead).
+        checkpoint = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+        assert experts <= per_step <= checkpoint + experts
+        # accelerate's hooks load every tensor of each disk module at each step: all of them, whatever routed
+        assert r["offload_loaded_bytes_per_token"] * c == sum(t.bytes for t in on_disk)
+        assert r["host_link_bytes_per_token"] == 0.0              # no host link on a CPU
+        assert r["link_bytes_per_token"] == r["disk_read_bytes_per_token"]
+        assert r["link_ms_per_token"] == pytest.approx(r["link_bytes_per_token"] / 25e9 * 1e3)
+
+
+def test_accelerate_is_timed_by_the_same_loop(model_dir, monkeypatch):
+    from moe_offload.accelerate_arm import AccelerateArm
+
+    calls = []
+    real = bench._greedy
+
+    def counting(model, enc, new, device, meter=None):
+        calls.append(type(meter).__name__)
+        return real(model, enc, new, device, meter)
+
+    monkeypatch.setattr(bench, "_greedy", counting)
+    rows = bench.run_bench(model_dir, arms="accelerate", concurrency=(1,), runs=2, max_new_tokens=2,
+                           offload_gb=BUDGET_GB, device="cpu")
+    assert calls == [AccelerateArm.__name__] * 3                   # warm-up + 2 measured, bench's own loop
+    assert rows[0]["runs"] == 2 and rows[0]["itl_samples"] == 2
+
+
+def test_cli_bench_accelerate_arm(model_dir, tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    rc, _, err = _cli(["bench", str(model_dir), "--arms", "accelerate", "--offload-gb", repr(BUDGET_GB),
+                       "--device", "cpu", "--concurrency", "1", "--runs", "1", "--max-new-tokens", "2",
+                       "--json", str(out)], capsys)
+    assert rc == 0, err
+    (row,) = json.loads(out.read_text())
+    assert row["arm"] == "accelerate" and row["settings"]["max_memory"] == {"cpu": 955904}
+    rc, _, err = _cli(["bench", str(model_dir), "--arms", "accelerate", "--device", "cpu"], capsys)
+    assert rc == 2 and err.startswith("error:") and "budget" in err

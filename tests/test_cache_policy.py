@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from moe_offload.cache_policy import (DEFAULT_CACHE_POLICY, POLICIES, cache_policy_names, make_cache)
+from moe_offload.cache_policy import DEFAULT_CACHE_POLICY, POLICIES, HeatCache, cache_policy_names, make_cache
 from moe_offload.errors import BudgetError, SelectorError
 
 A, B, C, D = (0, 0), (1, 0), (2, 0), (3, 0)  # one expert in each of four layers: every access its own step
@@ -71,6 +71,33 @@ def test_belady_evicts_farthest_next_use_and_bypasses():
     # C at #3: next uses A #5, B #4, C never -> C itself is farthest: bypassed; so are D (never again).
     assert hits == [False, False, True, False, True, True, False, True]
     assert cache.contents() == {A, B}
+
+
+def test_heat_admits_only_what_is_hotter_than_its_victim():
+    cache = make_cache("heat", 20)
+    # Sweep 1 (layers ascending): A, B admitted; C is used in the same sweep, so it is exactly as hot as they
+    # are, not hotter: declined. Sweep 2 (back to layer 2): C's second use makes it hotter than A and B (one
+    # use each); the tie between them goes to the lower key, A.
+    hits, evicted = drive(cache, [A, B, C, C])
+    assert hits == [False] * 4
+    assert evicted == [(), (), (), (A,)]
+    assert (cache.declined, cache.sweeps) == (1, 2) and cache.contents() == {B, C}
+
+
+@pytest.mark.parametrize("half_life,hits", [(1.0, [False, True, True]), (16.0, [False, False, False])])
+def test_heat_decays_with_its_half_life(half_life, hits):
+    # One slot. A is used in sweeps 1-3 (each access goes back to layer 0: a new sweep), then B in sweeps 4-6.
+    # half-life 1:  A's heat at sweep 4 is 1/2 + 1/4 + 1/8 = 0.875 < 1, B's first use: B replaces A at once.
+    # half-life 16: A's heat at sweeps 4, 5, 6 is 2.75, 2.64, 2.52 (x 2^(-1/16) a sweep); B's is 1, 1.96,
+    #               2.88: B replaces A at its third use. (LFU's forced admission would take B at its first.)
+    cache = HeatCache(10, half_life=half_life)
+    a, b = (0, 1), (0, 0)
+    drive(cache, [a, a, a])
+    assert cache.sweeps == 3
+    got, evicted = drive(cache, [b, b, b])
+    assert got == hits
+    assert [e for e in evicted if e] == [(a,)] and cache.contents() == {b}
+    assert cache.declined == (0 if half_life == 1.0 else 2)
 
 
 def test_belady_refuses_a_sequence_other_than_its_future():

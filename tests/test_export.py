@@ -315,6 +315,23 @@ def test_frequency_plans_go_whole_and_say_so(inventories):
         assert any(n.startswith("cost of the difference") for n in e.notes)
 
 
+def test_a_disk_tier_goes_to_host_memory_and_is_not_the_plan(inventories):
+    plan = planner.plan(inventories["mixtral"], **_budgets(inventories["mixtral"])["all_experts"])
+    down = {t.name for t in plan.tensors if t.name.endswith("down_proj")}
+    plan = dataclasses.replace(plan, tensors=tuple(dataclasses.replace(t, tier="disk") if t.name in down else t
+                                                    for t in plan.tensors))
+    for engine in ("llama.cpp", "vllm", "sglang"):
+        e = export(plan, engine)
+        assert not e.expressible
+        assert {t.tier for t in e.placement.tensors} <= {"host", "device"}
+        assert any("no disk tier" in n for n in e.notes), e.notes
+
+
+def test_unknown_engine_in_the_api(inventories):
+    with pytest.raises(ConfigError, match="unknown engine 'tgi'"):
+        export(planner.plan(inventories["qwen3_moe"]), "tgi")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The command
 

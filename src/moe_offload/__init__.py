@@ -20,17 +20,21 @@ __version__ = "0.1.0"
 
 
 def load(model_dir, *, device=None, backend: str | None = None, plan: "Plan | str | None" = None,
-         dtype: str | None = None, progress: bool = False, **budget):
+         dtype: str | None = None, progress: bool = False, cache_gb: float | None = None,
+         cache_policy: str | None = None, **budget):
     """Build a model from a local checkpoint straight into its plan; returns (model, plan).
 
     Budget options as for `plan` (offload_gb, device_memory_gb, reserve_gb, policy,
     offload_params, batch), or `plan=` a Plan / saved plan JSON. The model is an ordinary
     transformers model (`model.generate(...)` works) with a `moe_offload_runtime` attribute
     that says which mechanism is used and counts the bytes read over the link.
+    `cache_gb` (with `cache_policy`): a device-side cache of that many GiB for the offloaded routed
+    experts that decode steps fetch (`model.moe_offload_runtime.cache.stats()`: hits and misses).
     """
     from .loader import load as _load
 
-    return _load(model_dir, device=device, backend=backend, plan=plan, dtype=dtype, progress=progress, **budget)
+    return _load(model_dir, device=device, backend=backend, plan=plan, dtype=dtype, progress=progress,
+                 cache_gb=cache_gb, cache_policy=cache_policy, **budget)
 
 
 def transform_weights(model, fn, *, names=None):

@@ -3,11 +3,14 @@
 The silent de-offload class of bugs (a `.contiguous()` on a zero-copy view that makes a
 full device copy, a Parameter re-registered without its mark) leaves a model that runs
 but holds offloaded weights on the device. The audit looks at where each tensor's bytes
-actually are, by address, and reports each mismatch with its bytes.
+actually are, by address, and reports each mismatch with its bytes. A tensor held quantized
+is checked with its scales: they lie in its tier (and split alike), its values still stored.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -51,6 +54,27 @@ def audit(model: nn.Module, plan: Plan) -> list[Mismatch]:
         ids = t.host_ids
         if ids and len(ids) < t.shape[0]:
             out += _audit_split(t, live, runtime, arena, device)
+        q = getattr(runtime, "quant", {}).get(t.name)
+        if q is not None:
+            out += _audit_scales(t, q, live, tensors.get(q.scale_name), runtime, arena, device)
+    return out
+
+
+def _audit_scales(t, q, values, live, runtime, arena, device) -> list[Mismatch]:
+    """A tensor held quantized (quant_weights.py): its scales must lie where its values do, split alike, and
+    its values must still be the stored encoding (not a dequantized copy)."""
+    scale_bytes = math.prod(q.scale_shape) * q.scale_dtype.itemsize
+    if live is None:
+        return [Mismatch(q.scale_name, t.tier, "missing", scale_bytes)]
+    out = []
+    if values.dtype != q.data_dtype:
+        out.append(Mismatch(t.name, t.tier, f"{values.dtype} values, not the stored {q.data_dtype}", t.bytes))
+    actual = actual_tier(live, arena, device)
+    if actual != t.tier:
+        out.append(Mismatch(q.scale_name, t.tier, actual, scale_bytes))
+    if t.host_ids and len(t.host_ids) < t.shape[0]:
+        out += _audit_split(dataclasses.replace(t, name=q.scale_name, bytes=scale_bytes), live, runtime, arena,
+                            device)
     return out
 
 

@@ -4,7 +4,9 @@ An *arm* is one way of choosing what to offload: `resident` (nothing), `declarat
 (module declaration order, today's engines), `sparse-first` (by access density) or
 `explicit:SEG[+SEG...]` (only tensors under those name segments). Every arm loads the
 model once with `moe_offload.load`, then for each concurrency level c decodes a batch of
-c prompts (distinct unless `same_prompt`) with its own greedy loop:
+c prompts (distinct unless `same_prompt`) with its own greedy loop. The `accelerate` arm is
+the peer: transformers + accelerate `device_map="auto"` at the same budget, driven by the same
+loop, its disk bytes per token measured from /proc/self/io (see accelerate_arm.py):
 
     prefill (use_cache) -> token 1          TTFT = prefill + first token
     one forward per later token             ITL  = time between consecutive tokens
@@ -14,6 +16,17 @@ discarded, then `runs` runs are measured. Link traffic is what the runtime's Lin
 counted during the decode steps (prefill excluded), never derived from model size
 (DESIGN.md rule 6). `settings` is read back from the loaded model: which tensors'
 bytes actually lie in the host arena, by role.
+
+A device-side expert cache (`cache_gb`, `cache_policy`) is the same for every arm. Each run
+(warm-up included) starts with it empty and a fresh policy, as just after load: runs of the
+same prompts would otherwise hit on each other's experts. Rows report its hits and misses
+over the measured runs' decode steps.
+
+`bf16_link_bytes_per_token` is what the same placement would have read with every offloaded
+tensor at 2 bytes per element (for a quantized checkpoint: what bf16 would have cost), from the
+measured runs' own routing. Where some offloaded tensor is not 2 bytes per element the routing is
+recorded during the measured runs for it (one small device-to-host copy per layer and step);
+otherwise the field is the measured figure itself and nothing is recorded.
 
 On a CPU-only machine both tiers are the same memory: times then measure the offload
 machinery's overhead, not a link, and link bytes per token is the figure that carries.
@@ -28,7 +41,7 @@ import os
 import statistics
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -37,7 +50,7 @@ import torch
 from .errors import MoeOffloadError
 from .planner import format_bytes
 
-NAMED_ARMS = ("resident", "declaration", "sparse-first")
+NAMED_ARMS = ("resident", "declaration", "sparse-first", "accelerate")
 DEFAULT_ARMS = "resident,declaration,sparse-first"
 DEFAULT_CONCURRENCY = "1,4"
 SHOWN_NAMES = 32  # offloaded tensor names listed in `settings`; the count is always exact
@@ -50,13 +63,15 @@ CPU_NOTE = ("cpu only: the host tier and the 'device' are the same memory, so th
 
 @dataclass(frozen=True)
 class Arm:
-    name: str                        # as given: resident, declaration, sparse-first, explicit:a+b
-    policy: str | None               # None: resident (offload nothing)
+    name: str                        # as given: resident, declaration, sparse-first, explicit:a+b, accelerate
+    policy: str | None               # None: resident (offload nothing); "accelerate": transformers + accelerate
     offload_params: tuple[str, ...] = ()
 
     def load_kwargs(self, budget: dict) -> dict:
         if self.policy is None:
             return dict(offload_gb=0.0)
+        if self.policy == "accelerate":   # the bench's own plan at this budget: accelerate_arm maps it
+            return dict(budget)
         kw = dict(budget, policy=self.policy)
         if self.offload_params:
             kw["offload_params"] = list(self.offload_params)
@@ -77,7 +92,7 @@ def parse_arms(spec: str | Sequence[str]) -> list[Arm]:
                                       "each SEG a dotted name segment sequence such as experts or mlp.experts")
             arms.append(Arm(item, "sparse-first", segs))
         else:
-            raise MoeOffloadError(f"unknown arm {item!r}: use resident, declaration, sparse-first or "
+            raise MoeOffloadError(f"unknown arm {item!r}: use resident, declaration, sparse-first, accelerate or "
                                   "explicit:SEG[+SEG...], comma-separated")
     names = [a.name for a in arms]
     if not arms or len(set(names)) != len(names):
@@ -122,6 +137,10 @@ class _Run:
     wall_s: float                   # prefill start -> last token
     decode_link_bytes: list[int]    # LinkCounter bytes of each decode step
     token_ids: torch.Tensor         # [c, max_new_tokens]
+    cache_hits: int = 0             # device cache accesses of the run's decode steps (0 without a cache)
+    cache_misses: int = 0
+    # experts.RoutedCall of each decode step, recorded only where a bf16 comparison needs it (_needs_routing)
+    decode_routing: list = field(default_factory=list)
 
 
 def _sync(device: torch.device) -> None:
@@ -138,13 +157,31 @@ def _forward_keywords(model) -> tuple[str, bool, bool]:
     return cache_kw, "position_ids" in params, "logits_to_keep" in params
 
 
-def _greedy(model, enc, max_new_tokens: int, device: torch.device) -> _Run:
-    """Greedy decoding, one timed forward per token; exactly max_new_tokens tokens (EOS ignored)."""
-    counter = model.moe_offload_runtime.counter
+class _RuntimeMeter:
+    """Link bytes of each forward as moe_offload's runtime counted them (the `meter` of `_greedy`; the
+    accelerate arm has its own, accelerate_arm.AccelerateArm)."""
+
+    def __init__(self, model):
+        self.counter = model.moe_offload_runtime.counter
+
+    def before_step(self) -> None:
+        pass
+
+    def step(self) -> int:
+        return self.counter.calls[-1][1]                      # this forward's bytes from the host tier
+
+
+def _greedy(model, enc, max_new_tokens: int, device: torch.device, meter=None) -> _Run:
+    """Greedy decoding, one timed forward per token; exactly max_new_tokens tokens (EOS ignored).
+
+    `meter.before_step()` runs before each forward outside the timed interval, `meter.step()` after it
+    gives that forward's link bytes (default: the runtime's LinkCounter)."""
+    meter = meter or _RuntimeMeter(model)
     cache_kw, takes_pos, takes_keep = _forward_keywords(model)
     ids, mask = enc["input_ids"], enc["attention_mask"]       # ids, mask: [c, P], left-padded
     extra = {"logits_to_keep": 1} if takes_keep else {}
     pos = (mask.long().cumsum(-1) - 1).clamp(min=0)            # [c, P] positions as generate() gives them
+    meter.before_step()
     _sync(device)
     start = time.perf_counter()
     out = model(input_ids=ids, attention_mask=mask, use_cache=True, **extra,
@@ -159,6 +196,9 @@ def _greedy(model, enc, max_new_tokens: int, device: torch.device) -> _Run:
     for _ in range(max_new_tokens - 1):
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)   # [c, P + t]
         pos = pos[:, -1:] + 1                                              # [c, 1]
+        paused = time.perf_counter()
+        meter.before_step()
+        last += time.perf_counter() - paused                               # not part of the step
         out = model(input_ids=nxt, attention_mask=mask, use_cache=True, **{cache_kw: cache}, **extra,
                     **({"position_ids": pos} if takes_pos else {}))
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
@@ -166,7 +206,7 @@ def _greedy(model, enc, max_new_tokens: int, device: torch.device) -> _Run:
         now = time.perf_counter()
         itl.append(now - last)
         last = now
-        link.append(counter.calls[-1][1])                     # this forward's bytes from the host tier
+        link.append(meter.step())
         cache = getattr(out, cache_kw, None)
         tokens.append(nxt)
     return _Run(ttft, itl, last - start, link, torch.cat(tokens, dim=1).cpu())
@@ -181,11 +221,54 @@ def _measure(model, enc, runs: int, max_new_tokens: int, device: torch.device, d
         for i in range(runs + 1):
             describe("warm-up" if i == 0 else f"run {i}/{runs}")
             model.moe_offload_runtime.counter.reset()
-            run = _greedy(model, enc, max_new_tokens, device)
+            cache = model.moe_offload_runtime.cache
+            if cache is not None:
+                cache.reset()
+            rt, calls = model.moe_offload_runtime, []
+            record = i > 0 and _needs_routing(rt.plan)
+            if record:   # the routing of the measured runs, for bf16_link_bytes_per_token
+                rt.recorder = calls.append
+            try:
+                run = _greedy(model, enc, max_new_tokens, device)
+            finally:
+                if record:
+                    rt.recorder = None
+            run.decode_routing = calls[1:]              # the first call is the prefill
+            if cache is not None:
+                run.cache_hits, run.cache_misses = cache.policy.hits, cache.policy.misses
             if i > 0:
                 measured.append(run)
             advance()
     return measured
+
+
+def _needs_routing(plan) -> bool:
+    """Whether some offloaded tensor is not 2 bytes per element (quantized, fp32): only then does the bf16
+    figure differ from the measured one and need the routing."""
+    return any(t.tier != "device" and t.bytes != 2 * t.numel for t in plan.tensors)
+
+
+def link_bytes_from_routing(plan, runs: Sequence[_Run], c: int, *, bf16: bool = False) -> float:
+    """Bytes per decoded token of the runs' recorded decode steps, accounted as accounting.py defines them
+    for this placement: each step reads every offloaded dense tensor, the distinct offloaded experts its c
+    tokens picked and the distinct embedding rows of its input. Stored bytes, this is the measured figure
+    (a test checks it); `bf16`: with every offloaded tensor at 2 bytes per element, what the same placement
+    would have read in bf16. A device cache's hits are not taken off (the bf16 experts would fill it
+    differently)."""
+    from .accounting import TokenBytes
+
+    tensors = [replace(t, bytes=2 * t.numel) if bf16 else t for t in plan.tensors]
+    embed = [t for t in tensors if t.role == "embedding" and t.tier != "device" and t.component == "language"]
+    tb = TokenBytes.of([t for t in tensors if t not in embed])
+    row = sum(t.bytes // t.shape[0] for t in embed)
+    total = steps = 0
+    for r in runs:
+        for j, call in enumerate(r.decode_routing):
+            picked = {layer: torch.unique(ids).tolist() for layer, ids in call.experts.items() if layer in tb.layers}
+            host, disk = tb.bytes_for_token(picked)
+            total += host + disk + row * torch.unique(r.token_ids[:, j]).numel()   # step j's input tokens
+            steps += 1
+    return total / (steps * c)
 
 
 # --- read-back -----------------------------------------------------------------------------
@@ -197,13 +280,16 @@ def applied_settings(model, plan, *, resident: bool = False) -> dict:
     policy chose anything; it is reported as policy "resident" once the arena confirms it holds nothing."""
     rt = model.moe_offload_runtime
     role_of = {t.name: t.role for t in plan.tensors}
+    # The scales of a quantized tensor (a buffer beside it, quant_weights.py) count with it, under its role.
+    owner_of = {q.scale_name: name for name, q in rt.quant.items()}
     by_role: dict[str, int] = defaultdict(int)
     names: list[str] = []
     tensors = [*model.named_parameters(), *model.named_buffers()]
     for name, t in tensors:
         if rt.arena.owns(t):
-            by_role[role_of.get(name, "other")] += t.numel() * t.element_size()
-            names.append(name)
+            by_role[role_of.get(owner_of.get(name, name), "other")] += t.numel() * t.element_size()
+            if name not in owner_of:
+                names.append(name)
     out = {
         "policy": "resident" if resident and not names else plan.policy,
         "offload_params": list(plan.offload_params),
@@ -214,7 +300,11 @@ def applied_settings(model, plan, *, resident: bool = False) -> dict:
         "offloaded_tensor_count": len(names),
         "offloaded_tensors": names[:SHOWN_NAMES],
         # routed-expert tensors split between tiers: name -> experts on the host (read back: the host part)
-        "split_tensors": {name: model.get_parameter(name).shape[0] for name in rt.splits},
+        "split_tensors": {name: model.get_parameter(name).shape[0] for name in rt.splits if name in role_of},
+        # the device-side expert cache as the runtime holds it: None, or its policy, capacity and carved bytes
+        "cache": None if rt.cache is None else {"policy": rt.cache.policy_name, "bytes": rt.cache.capacity_bytes,
+                                                 "device_bytes": rt.cache.device_bytes,
+                                                 "page_bytes": rt.cache.page_bytes},
     }
     if rt.device.type == "cpu":
         out["threads"] = torch.get_num_threads()
@@ -235,6 +325,10 @@ def device_resident_bytes(model) -> int:
     staging = [split.resident for split in rt.splits.values()] + list(getattr(rt, "_staging", {}).values())
     dense = getattr(rt, "_dense", None)
     staging += [b for b in getattr(dense, "ring", []) if b is not None]
+    if rt.dequantizer is not None:   # reused buffers quantized weights are dequantized into
+        staging += rt.dequantizer.buffers()
+    if rt.cache is not None and rt.cache.arena is not None:
+        staging.append(rt.cache.arena)
     return total + sum(b.numel() * b.element_size() for b in staging)
 
 
@@ -262,6 +356,7 @@ def _row(arm: Arm, c: int, runs: list[_Run], model, plan, *, prompts: list[str],
     else:
         device_bytes = device_resident_bytes(model)
     settings = applied_settings(model, plan, resident=arm.policy is None)
+    bf16_link = link_bytes_from_routing(plan, runs, c, bf16=True) if any(r.decode_routing for r in runs) else link
     row = {
         "arm": arm.name,
         "concurrency": c,
@@ -277,6 +372,13 @@ def _row(arm: Arm, c: int, runs: list[_Run], model, plan, *, prompts: list[str],
         "offloaded_bytes": sum(settings["host_bytes_by_role"].values()),   # read back from the arena
         "link_bytes_per_token": link,
         "planned_link_bytes_per_token": plan.link_bytes_per_token(c),
+        # the same placement and routing with every offloaded tensor at 2 bytes per element (quantized: what
+        # bf16 would have read); the measured figure itself when nothing offloaded differs from 2 bytes
+        "bf16_link_bytes_per_token": bf16_link,
+        "cache_policy": None if rt.cache is None else rt.cache.policy_name,
+        "cache_bytes": 0 if rt.cache is None else rt.cache.capacity_bytes,
+        "cache_hits": sum(r.cache_hits for r in runs),       # over the measured runs' decode steps
+        "cache_misses": sum(r.cache_misses for r in runs),
         "host_bytes": rt.host_bytes,
         "device_bytes": int(device_bytes),
         "same_prompt": same_prompt,
@@ -340,17 +442,20 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str = DEFAULT_ARMS,
               reserve_gb: float | None = None, dtype: str | None = None, device=None, backend: str | None = None,
               prompts: Sequence[str] | None = None,
               same_prompt: bool = False, link_gbps: float | None = None, threads: int | None = None,
+              cache_gb: float | None = None, cache_policy: str | None = None,
               progress: bool = False, log: Callable[[str], None] | None = None) -> list[dict]:
     """Measure every arm at every concurrency level; one row per (arm, concurrency), in that order.
 
     Skipped arms (resident when the model does not fit) are reported through `log`
     (default: stderr) and have no row. `threads`: CPU threads torch uses while measuring
     (restored afterwards); on a small shared CPU one thread gives much steadier times.
+    `cache_gb`, `cache_policy`: one device-side expert cache, the same for every arm (as `load`).
     """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from . import load, plan as make_plan
+    from .device_cache import cache_options, check_capacity, reserve_note
     from .prompts import PROMPTS
     from .storage import resolve_device
 
@@ -381,6 +486,8 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str = DEFAULT_ARMS,
     if not folder.is_dir():
         raise MoeOffloadError(f"{folder} is not a model folder: bench needs config.json, safetensors and a tokenizer")
     budget = dict(offload_gb=offload_gb, device_memory_gb=device_memory_gb, reserve_gb=reserve_gb)
+    cache_bytes, policy = cache_options(cache_gb, cache_policy)                          # before anything loads
+    reserve_note(cache_bytes, policy, device_memory_gb, reserve_gb)
     if offload_gb is None and device_memory_gb is None and any(a.policy for a in arms):
         raise MoeOffloadError("bench compares arms at one budget, and none was given: add --offload-gb X or "
                               "--device-memory X (see `moe-offload plan` for the model's sizes)")
@@ -405,7 +512,7 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str = DEFAULT_ARMS,
             if reason:
                 log(reason)
                 continue
-        make_plan(folder, dtype=dtype, **arm.load_kwargs(budget))
+        check_capacity(cache_bytes, make_plan(folder, dtype=dtype, **arm.load_kwargs(budget)))
         active.append(arm)
     if not active:
         raise MoeOffloadError("no arm can run at this budget (reasons above): add an arm that offloads, e.g. "
@@ -423,7 +530,21 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str = DEFAULT_ARMS,
             task = bar.add_task("bench", total=len(active) * len(levels) * (runs + 1))
             for arm in active:
                 bar.update(task, description=f"{arm.name}: loading")
-                model, applied = load(folder, device=dev, backend=backend, dtype=dtype, **arm.load_kwargs(budget))
+                if arm.policy == "accelerate":   # transformers + accelerate, timed by the same _greedy loop
+                    from .accelerate_arm import bench_rows
+
+                    rows += bench_rows(
+                        folder, make_plan(folder, dtype=dtype, **arm.load_kwargs(budget)), dev, dtype=dtype,
+                        tokenizer=tokenizer, levels=levels, prompts=prompts, same_prompt=same_prompt, runs=runs,
+                        max_new_tokens=max_new_tokens, link_gbps=link_gbps, budget_label=label,
+                        describe=lambda what: bar.update(task, description=f"{arm.name} {what}"),
+                        advance=lambda: bar.advance(task))
+                    continue
+                from .accelerate_arm import peak_rss_bytes, reset_peak_rss
+
+                tracked, first_row = reset_peak_rss(), len(rows)   # peak RSS over this arm's load and runs
+                model, applied = load(folder, device=dev, backend=backend, dtype=dtype, cache_gb=cache_gb,
+                                      cache_policy=cache_policy, **arm.load_kwargs(budget))
                 try:
                     for c in levels:
                         batch = _batch_prompts(prompts, c, same_prompt)
@@ -434,6 +555,9 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str = DEFAULT_ARMS,
                         rows.append(_row(arm, c, measured, model, applied, prompts=batch, same_prompt=same_prompt,
                                          max_new_tokens=max_new_tokens, link_gbps=link_gbps,
                                          model_name=folder.resolve().name, budget_label=label))
+                    peak = peak_rss_bytes() if tracked else None
+                    for row in rows[first_row:]:
+                        row["peak_rss_bytes"] = peak
                 finally:
                     # Free this arm before the next one loads: hooks off, model gone, then the host slabs.
                     runtime = model.moe_offload_runtime

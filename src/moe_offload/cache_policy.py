@@ -10,25 +10,41 @@ resident's device slot: the runtime copies an admitted expert into the slot its 
 
 Policies (`make_cache(name, capacity_bytes)`):
 
-- `lru`: evict the least recently used expert.
+- `heat` (the default, this project's own): every expert seen has a *heat*, its use count
+  with each use fading by half every 24 sweeps (decode steps). Evict the coldest resident;
+  admit a newcomer only when it is hotter than every expert it would evict, otherwise read
+  it from the host and keep the cache as it is. The fading follows what one request needs
+  now (its topic, its language) where LFU's lifetime counts cannot; the admission test keeps
+  a rarely used expert from flushing a hot one, which LRU cannot refuse (a cache smaller
+  than one token's picks makes LRU evict every expert just before it is needed again).
+  Heat is kept for evicted experts too, so a returning expert competes with its history.
+  Layers share the one cache and compete by heat, a per-token rate: a layer with skewed
+  routing keeps more of its experts than a layer whose routing is flat.
+- `lru`: evict the least recently used expert; always admit.
 - `lfu`: evict the expert with the fewest accesses since the cache was made (counts survive
-  eviction, "perfect" LFU); ties go to the least recently used.
+  eviction, "perfect" LFU); ties go to the least recently used; always admit.
 - `belady`: the offline optimum, for `replay` only (it needs `future`, the whole key sequence):
   evict the expert whose next use is farthest ahead (never again first), and decline an
-  expert whose own next use is farther than that (bypass). Optimal in misses when every
-  expert has the same bytes; with mixed sizes it is the farthest-first heuristic.
+  expert whose own next use is farther still (bypass). Optimal in misses when every expert
+  has the same bytes (tests/test_cache_policy.py checks it against brute force); with mixed
+  sizes it is the farthest-first heuristic.
 
-Rules shared by every policy:
+Rules:
 
-- The experts of one layer step (a run of accesses in one layer with ascending ids) are on
-  the device together while that layer computes, so none of them is evicted to admit
-  another of the same step; a cache too small for the whole step declines the rest.
+- Online policies never evict an expert of the current layer step (a run of accesses in one
+  layer with ascending ids: the experts that layer computes with now) to admit another of
+  the same step; a cache too small for the whole step declines the rest. Belady, a floor
+  rather than a runtime, may: no online policy under the rule can do better than it.
+- Time is counted in sweeps: a new sweep starts when an access goes back to an earlier (or
+  the same) layer, i.e. at each decode step, as far as accesses tell.
 - `capacity_bytes == 0` is "no cache" (every access a miss, nothing admitted). An expert
   larger than a non-zero capacity is a BudgetError: such a cache could never hold it, which
   is a misconfiguration rather than something to degrade into silently.
 - Slots: the smallest free slot id goes to each admitted expert. When every expert has the
   same bytes, ids stay below `capacity_bytes // nbytes`, so the runtime carves that many
-  fixed-size slots once; with mixed sizes ids stay below the most experts resident at once.
+  fixed-size slots once and copies an admitted expert into the slot of the key it evicted
+  (`last_evicted`); with mixed sizes ids stay below the most experts resident at once.
+- `invalidate(key)` drops a resident copy whose weights changed (the policy's history stays).
 """
 
 from __future__ import annotations
@@ -190,10 +206,6 @@ class ExpertCache:
         heapq.heapify(fresh)
         return fresh
 
-    def stats(self) -> dict:
-        return {"cache_policy": self.name, "cache_bytes": self.capacity_bytes, "cache_hits": self.hits,
-                "cache_misses": self.misses, "cache_evictions": self.evictions, "cache_declined": self.declined}
-
 
 class LRUCache(ExpertCache):
     """Evict the least recently used expert."""
@@ -317,6 +329,9 @@ class BeladyCache(ExpertCache):
         return victims
 
 
+HEAT_HALF_LIFE = 24.0  # sweeps (decode steps); chosen on training-domain routing, see the README
+
+
 class HeatCache(ExpertCache):
     """Evict the coldest expert; admit a newcomer only when it is hotter than every expert it would evict.
 
@@ -327,10 +342,12 @@ class HeatCache(ExpertCache):
     """
 
     name = "heat"
-    half_life = 16.0  # sweeps
 
-    def __init__(self, capacity_bytes: int):
+    def __init__(self, capacity_bytes: int, *, half_life: float = HEAT_HALF_LIFE):
         super().__init__(capacity_bytes)
+        if not half_life > 0:
+            raise ValueError(f"half_life {half_life!r}: give a positive number of sweeps")
+        self.half_life = float(half_life)
         self._heat: dict = {}  # key -> log2 heat referred to sweep 0
         self._heap: list = []  # (heat, key), lazily stale
 

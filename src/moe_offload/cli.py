@@ -117,6 +117,15 @@ def _runtime_options(p: argparse.ArgumentParser) -> None:
                    help="uva: offloaded weights read in place through device-visible views of host memory "
                         "(default); prefetch: staged onto the device before use")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: the accelerator when there is one, else cpu)")
+    from .cache_policy import DEFAULT_CACHE_POLICY, cache_policy_names
+
+    p.add_argument("--cache-gb", type=float, metavar="X",
+                   help="device-side cache of X GiB for the offloaded routed experts decode steps fetch (a hit reads "
+                        "nothing over the link); with --device-memory it is taken out of --reserve-gb (default 0: "
+                        "no cache)")
+    p.add_argument("--cache-policy", metavar="P",
+                   help=f"with --cache-gb: {', '.join(cache_policy_names())} (default {DEFAULT_CACHE_POLICY}; belady, "
+                        "the offline optimum, only in replay)")
 
 
 def load_for_cli(args, **extra):
@@ -133,7 +142,7 @@ def load_for_cli(args, **extra):
     tokenizer = load_tokenizer(folder)
     model, plan = load(folder, device=args.device, backend=args.backend, dtype=args.dtype,
                        progress=not getattr(args, "json", False) and sys.stderr.isatty(), **_budget_kwargs(args),
-                       **extra)
+                       cache_gb=args.cache_gb, cache_policy=args.cache_policy, **extra)
     return model, plan, tokenizer
 
 
@@ -142,6 +151,7 @@ def cmd_generate(args) -> int:
 
     import torch
 
+    from .device_cache import cache_stats
     from .planner import format_bytes
 
     if args.max_new_tokens < 1:
@@ -178,6 +188,7 @@ def cmd_generate(args) -> int:
         "link_bytes_per_token": runtime.counter.decode_bytes_per_token(),
         "planned_link_bytes_per_token": plan.link_bytes_per_token(1),
         "tokens_per_s": len(new) / elapsed if elapsed > 0 else None,
+        **cache_stats(runtime.cache),   # cache_policy, cache_bytes, cache_hits, cache_misses, ...: decode steps
     }
     if args.json:
         print(json.dumps(result))
@@ -189,6 +200,10 @@ def cmd_generate(args) -> int:
     print(f"-- offloaded {format_bytes(plan.offloaded_bytes)} (host memory used {format_bytes(runtime.host_bytes)}); "
           f"link bytes per decoded token: measured {format_bytes(result['link_bytes_per_token'])}, "
           f"planned {format_bytes(result['planned_link_bytes_per_token'])}", file=sys.stderr)
+    if runtime.cache is not None:
+        print(f"-- device cache {result['cache_policy']} of {format_bytes(result['cache_bytes'])} "
+              f"({format_bytes(result['cache_device_bytes'])} carved): {result['cache_hits']} hits, "
+              f"{result['cache_misses']} misses over the decode steps", file=sys.stderr)
     return 0
 
 
@@ -216,7 +231,7 @@ def cmd_bench(args) -> int:
                      offload_gb=args.offload_gb, device_memory_gb=args.device_memory, reserve_gb=args.reserve_gb,
                      dtype=args.dtype, device=args.device, backend=args.backend, prompts=prompts,
                      same_prompt=args.same_prompt, link_gbps=args.link_gbps, threads=args.threads,
-                     progress=sys.stderr.isatty())
+                     cache_gb=args.cache_gb, cache_policy=args.cache_policy, progress=sys.stderr.isatty())
     to_stdout = args.json == "-"
     print_table(rows, Console(stderr=True) if to_stdout else None)  # stdout holds only the JSON with --json -
     # Both outputs or neither: the plot (the one that can fail on content) first, then the JSON.
@@ -241,6 +256,7 @@ def cmd_bench(args) -> int:
 
 def cmd_replay(args) -> int:
     from . import planner
+    from .frequency import routed_layers
     from .inventory import inventory
     from .planner import Plan, format_bytes
     from .replay import replay
@@ -263,7 +279,7 @@ def cmd_replay(args) -> int:
                                   "plan MODEL --save PLAN.json`") from exc
     else:
         inv = inventory(path, dtype=args.dtype)
-        layers = planner.routed_layers(inv)
+        layers = routed_layers(inv)
 
         def check(t):
             check_trace_matches(t, num_experts=inv.num_experts, layers=layers, where=f"the {inv.model_type} model "
@@ -311,7 +327,7 @@ def cmd_profile(args) -> int:
 
 def cmd_export(args) -> int:
     from . import plan as make_plan
-    from .export import export
+    from .export import LABELS, export
     from .inventory import inventory, read_config
     from .planner import Plan, format_bytes
 
@@ -349,7 +365,8 @@ def cmd_export(args) -> int:
     print(result.command(model))
     for note in result.notes:
         print(f"- {note}")
-    print(f"-- {'the plan exactly' if result.expressible else 'the closest placement ' + args.engine + ' can apply'}: "
+    what = "the plan exactly" if result.expressible else f"the closest placement {LABELS[result.engine]} can apply"
+    print(f"-- {what}: "
           f"{format_bytes(result.link_bytes_per_token)} over the link per decoded token, "
           f"{format_bytes(result.placement.offloaded_bytes)} offloaded (the plan: "
           f"{format_bytes(plan.link_bytes_per_token())}, {format_bytes(plan.offloaded_bytes)})")
@@ -433,7 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("model", help="model folder (config.json, safetensors, tokenizer)")
     b.add_argument("--arms",
                    help="comma-separated: resident (offload nothing; skipped when it does not fit), declaration, "
-                        "sparse-first, explicit:SEG[+SEG...] (default: resident,declaration,sparse-first); "
+                        "sparse-first, explicit:SEG[+SEG...], accelerate (transformers + accelerate device_map='auto' "
+                        "at the same budget; rest to disk) (default: resident,declaration,sparse-first); "
                         "the arms choose the policy and selectors, so bench takes no --policy / --offload-params")
     _budget_options(b, policy_options=False)  # arms choose the policy; an explicit --policy is refused
     _runtime_options(b)
@@ -471,7 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("model", help="model folder or config.json path")
     x.add_argument("--engine", required=True, choices=ENGINES, help="the engine to export for")
     _budget_options(x)
-    x.add_argument("--batch", type=int, help="sequences decoded together, for link bytes (default 1)")
+    x.add_argument("--batch", type=int, metavar="N", help="sequences decoded together, for link bytes (default 1)")
     x.add_argument("--plan", metavar="PLAN.json", help="export this saved plan instead of planning from the options")
     x.add_argument("--json", action="store_true", help="print the result as one JSON document")
     x.set_defaults(func=cmd_export)
@@ -509,7 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # The library's errors name Python arguments (`offload_gb=5`, `offload_params`); here the user typed flags.
 _FLAGS = {"offload_gb": "--offload-gb", "device_memory_gb": "--device-memory", "reserve_gb": "--reserve-gb",
-          "offload_params": "--offload-params", "batch": "--batch", "policy": "--policy", "dtype": "--dtype"}
+          "offload_params": "--offload-params", "batch": "--batch", "policy": "--policy", "dtype": "--dtype",
+          "cache_gb": "--cache-gb", "cache_policy": "--cache-policy"}
 
 
 def _as_flags(message: str) -> str:

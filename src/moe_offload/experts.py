@@ -17,7 +17,13 @@ For a module with offloaded experts only the experts the router selected are rea
   routing is renumbered 0..U-1. The eager loop then visits the same experts in the same
   order with the same values: bit-identical arithmetic, whatever subset lies on the host.
 
-Link bytes count only the selected experts that are on the host.
+A module whose experts are held quantized (FP8, MXFP4: quant_weights.py) always takes the gathering
+path, resident or not: its values and scales are gathered as stored, then exactly the selected experts
+are dequantized on the device into reused buffers, and the eager loop runs on those.
+
+Link bytes count only the selected experts that are on the host. With a device-side expert cache
+(device_cache.py), a decode step gathers every offloaded tensor the same way, each selected expert
+from its cache pages (a hit: no link bytes), its resident stack, or the host (a miss).
 """
 
 from __future__ import annotations
@@ -104,15 +110,21 @@ class ExpertsState:
     num_experts: int
     split: dict[str, ExpertSplit] = field(default_factory=dict)  # local name -> layout, tensors split by expert
     layer: int | None = None            # N of model.layers.N, for the routing recorder
+    # local name -> quant_weights.QuantLayout of tensors held quantized: their selected experts are gathered as
+    # stored (values and scales, fp8 as bytes), then dequantized on the device before the eager forward
+    quant: dict = field(default_factory=dict)
 
     def run(self, module, hidden_states, top_k_index, top_k_weights):
         # top_k_index: [T, k] expert ids; the selected experts are the only ones read.
         rt = self.runtime
         if rt.recorder is not None and self.layer is not None:
             rt.routed[self.layer] = top_k_index.detach()
-        if not self.offloaded:
+        if not self.offloaded and not self.quant:
             return original_forward(module)(module, hidden_states, top_k_index, top_k_weights)
-        if rt.backend == "uva" and not self.split:
+        # A decode step with a device cache reads each selected expert from its cache pages when it holds it
+        # (device_cache.py), so even uva's whole host tensors are then gathered rather than read in place.
+        cached = rt.cache_step and bool(self.offloaded) and self.layer is not None
+        if rt.backend == "uva" and not self.split and not cached and not self.quant:
             # In place: the eager forward indexes each selected expert of the host view. Counting distinct
             # experts needs their number on the host, so it waits for the end of the forward call.
             per_expert = sum(_row_bytes(t) for t in self.offloaded.values())
@@ -123,8 +135,10 @@ class ExpertsState:
         selected = torch.unique(top_k_index)                     # [U], ascending
         local = torch.searchsorted(selected, top_k_index)       # [T, k] in 0..U-1
         on_host: dict[tuple[int, ...], tuple[torch.Tensor, int]] = {}   # host_ids -> (mask [U], count)
-        staged = {}
+        staged = rt.cache.gather(rt, self, selected) if cached else {}
         for name, t in self.offloaded.items():
+            if name in staged:                                  # gathered through the device cache
+                continue
             split = self.split.get(name)
             if split is None:
                 rt.counter.add(_row_bytes(t) * selected.numel())
@@ -136,6 +150,8 @@ class ExpertsState:
             mask, count = on_host[split.host_ids]
             rt.counter.add(_row_bytes(t) * count)
             staged[name] = rt.stage_split(split, t, selected, mask, key=name)
+        if self.quant:   # the gathered stored bytes -> the selected experts in the compute dtype (quant_weights.py)
+            rt.dequantizer.selected_experts(module, self.quant, staged, selected)
         for name, p in module.named_parameters(recurse=False):
             # Resident per-expert tensors are renumbered too (a device-local gather, no link bytes).
             if name not in staged and p.dim() >= 1 and p.shape[0] == self.num_experts:

@@ -27,7 +27,8 @@ from typing import Sequence
 
 from .errors import ConfigError
 from .inventory import layer_prefix
-from .planner import GiB, Plan, PlannedTensor, Tier, format_bytes, matches_selector
+from .placement import GiB, Plan, PlannedTensor, Tier, format_bytes
+from .planner import matches_selector
 
 OFFLOADED = (Tier.HOST.value, Tier.DISK.value)
 
@@ -39,7 +40,7 @@ class Engine(str, Enum):
 
 
 ENGINES = tuple(e.value for e in Engine)
-_LABEL = {Engine.VLLM: "vLLM", Engine.SGLANG: "SGLang", Engine.LLAMA_CPP: "llama.cpp"}
+LABELS = {Engine.VLLM: "vLLM", Engine.SGLANG: "SGLang", Engine.LLAMA_CPP: "llama.cpp"}
 _LAUNCH = {Engine.VLLM: "vllm serve {model}", Engine.SGLANG: "python -m sglang.launch_server --model-path {model}",
            Engine.LLAMA_CPP: "llama-server -m MODEL.gguf"}
 
@@ -245,11 +246,11 @@ def _layer_walk(plan: Plan, engine: Engine) -> tuple[list[str], set[str], list[s
         assert walk(params, selectors, int(float(args[1]) * GiB)) == taken   # the value printed gives this walk
     offloaded = sum(p.bytes for p in taken)
     if offloaded < target:
-        notes.append(f"{_LABEL[engine]} can offload only the decoder layers' parameters ({format_bytes(offloaded)}), "
+        notes.append(f"{LABELS[engine]} can offload only the decoder layers' parameters ({format_bytes(offloaded)}), "
                      f"less than the {format_bytes(target)} the plan must offload: the model will not fit as planned")
     if taken:
         last = taken[-1]
-        notes.append(f"{_LABEL[engine]} offloads whole parameters until it has {args[1]} GiB; that falls inside the "
+        notes.append(f"{LABELS[engine]} offloads whole parameters until it has {args[1]} GiB; that falls inside the "
                      f"last one it takes (layer {last.layer} {last.names[0]}), so it stops there, at "
                      f"{format_bytes(offloaded)}, even if its own byte count differs a little from this one's. "
                      "--cpu-offload-gb is per GPU: with --tensor-parallel-size T each rank offloads from its own "
@@ -266,7 +267,7 @@ def _layer_walk(plan: Plan, engine: Engine) -> tuple[list[str], set[str], list[s
     quantized = {t.dtype for t in plan.tensors if t.name in planned and (t.dtype == "mxfp4" or "float8" in t.dtype)}
     if quantized:
         pad = " and may pad MXFP4 experts for its kernels" if "mxfp4" in quantized else ""
-        notes.append(f"quantized weights: {_LABEL[engine]} keeps their scales as separate parameters{pad}, so its "
+        notes.append(f"quantized weights: {LABELS[engine]} keeps their scales as separate parameters{pad}, so its "
                      "byte count can differ slightly from this one; its log line 'Total CPU offloaded parameters' "
                      f"should read about {format_bytes(offloaded)}")
     return args, {n for p in taken for n in p.tensors}, notes
@@ -285,8 +286,9 @@ def _vllm_memory_note(plan: Plan, device_gb: float, reserve_gb: float | None, ma
             f"{reserve:g} GiB for activations and KV cache; vLLM works within --gpu-memory-utilization x the GPU's "
             f"memory (default 0.9: {default:.2f} GiB) and the plan needs {need:.2f} of it")
     fix = (f", so the default leaves {default - weights:.2f} GiB beside the weights" if need <= 0.9 else
-           f": pass --gpu-memory-utilization {need:.2f}, or plan with --device-memory {default:.4g} so that the "
-           "default suffices")
+           f": plan with --device-memory {default:.4g} so that the default suffices, or pass "
+           f"--gpu-memory-utilization {need:.2f} (which leaves {(1 - need) * device_gb:.2f} GiB outside vLLM for the "
+           "CUDA context and other processes)")
     length = f"the model's {max_len}-token context" if max_len else "the model's context length"
     return (head + fix + f". vLLM sizes its KV cache from what is left and refuses to start if {length} does not "
             "fit: then pass --max-model-len no larger than the token count its error reports")
@@ -364,7 +366,7 @@ def _difference_notes(plan: Plan, placement: Plan, engine: Engine) -> list[str]:
     if not (kept or moved or whole or disk):
         return []
     out = []
-    name = _LABEL[engine]
+    name = LABELS[engine]
     if whole:
         extra = sum(t.bytes - t.offloaded_bytes for t in whole)
         out.append(f"{name} offloads whole tensors: {_describe(whole)} that the plan splits by expert go "
@@ -389,14 +391,17 @@ def _signed(n: float) -> str:
 
 
 def _describe(tensors: Sequence[PlannedTensor]) -> str:
-    """`model.embed_tokens.weight (1.16 GiB)` or `12 routed_expert tensors of layers 3-8 (4.50 GiB)`."""
-    size = format_bytes(sum(t.bytes for t in tensors))
-    if len(tensors) == 1:
-        return f"{tensors[0].name} ({size})"
-    roles = sorted({t.role for t in tensors})
-    layers = sorted({t.layer for t in tensors if t.layer is not None})
-    span = f" of layer{'s' if len(layers) > 1 else ''} {_spans(layers)}" if layers else ""
-    return f"{len(tensors)} {'/'.join(roles)} tensors{span} ({size})"
+    """`model.embed_tokens.weight (1.16 GiB)`, or per role `12 routed_expert tensors of layers 3-8 (4.50 GiB)`."""
+    if len(tensors) <= 3:
+        return ", ".join(f"{t.name} ({format_bytes(t.bytes)})" for t in tensors)
+    parts = []
+    for role in dict.fromkeys(t.role for t in tensors):
+        group = [t for t in tensors if t.role == role]
+        layers = sorted({t.layer for t in group if t.layer is not None})
+        span = f" of layer{'s' if len(layers) > 1 else ''} {_spans(layers)}" if layers else ""
+        size = format_bytes(sum(t.bytes for t in group))
+        parts.append(f"{group[0].name} ({size})" if len(group) == 1 else f"{len(group)} {role} tensors{span} ({size})")
+    return ", ".join(parts)
 
 
 def _spans(numbers: Sequence[int]) -> str:

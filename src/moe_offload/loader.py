@@ -7,6 +7,10 @@ memory-mapped shard, one tensor (or expert slice) at a time, and written once in
 slot: per-expert checkpoint tensors go straight into their slice of the fused in-memory
 tensor. The whole model never sits on the device, and no second full copy is made in host
 memory. Any error leaves nothing behind: the half-built model is dropped, not returned.
+
+Quantized checkpoints (FP8 block-scaled, MXFP4) are written as stored: each quantized tensor is
+its values and its scales (quant_weights.py), both in the tensor's planned tier, never
+dequantized on the way; the runtime dequantizes them on the compute device at use.
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from .device_cache import DeviceCache, cache_options, check_capacity, reserve_note
 from .errors import CheckpointError, ConfigError, DeviceError, MoeOffloadError, PlanMismatchError, SelectorError
 from .inventory import (DTYPE_NAMES, build_meta_model, from_checkpoint, read_config, read_headers,
                         safetensors_files)
 from .layouts import map_keys
 from .planner import Plan, Tier, plan as make_plan
+from .quant import spec_from_config
+from .quant_weights import checkpoint_owner, quant_layouts
 from .storage import ExpertSplit, HostArena, expert_runs, resolve_device, set_tensor
 
 
@@ -57,11 +64,14 @@ def _progress(enabled: bool):
 
 
 def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str | Path | None = None,
-         dtype: str | None = None, progress: bool = False, **budget):
+         dtype: str | None = None, progress: bool = False, cache_gb: float | None = None,
+         cache_policy: str | None = None, **budget):
     """Build, load and attach a runtime. Returns (model, plan).
 
     `budget`: offload_gb, device_memory_gb, reserve_gb, policy, offload_params, batch (as `moe_offload.plan`).
     `plan`: a Plan (or its JSON file) to apply instead of planning here.
+    `cache_gb`: a device-side cache of that many GiB for offloaded routed experts (device_cache.py), under
+    `cache_policy` (cache_policy.py; default its DEFAULT_CACHE_POLICY); 0 or None is no cache.
     """
     from .auditor import audit
     from .errors import AuditError
@@ -76,13 +86,10 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
         raise DeviceError(f"unknown backend {backend!r}: use uva or prefetch")
     if dtype is not None and dtype not in DTYPE_NAMES:
         raise ConfigError(f"unknown dtype {dtype!r}: use bf16, fp16 or fp32")
+    cache_bytes, cache_policy = cache_options(cache_gb, cache_policy)
 
     config = read_config(folder)
-    quantization = getattr(config, "quantization_config", None)
-    if quantization is not None:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else type(quantization).__name__
-        raise CheckpointError(f"{folder} is a quantized checkpoint ({method}): moe-offload can plan it "
-                              "(`moe-offload plan`) but loads only unquantized fp32/bf16/fp16 checkpoints")
+    spec = spec_from_config(config)   # None when unquantized; CheckpointError for a method it cannot read
     storage_dtype = getattr(torch, DTYPE_NAMES[dtype]) if dtype else None
     with _parameters_on_meta():
         model = build_meta_model(config, storage_dtype, device="cpu")
@@ -95,25 +102,36 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     elif any(v is not None for v in budget.values()):
         raise SelectorError("give either a plan or budget options, not both")
     _check_plan_matches(plan, inv, folder)
+    check_capacity(cache_bytes, plan)
+    note = reserve_note(cache_bytes, cache_policy, budget.get("device_memory_gb"), budget.get("reserve_gb"))
+    if note:
+        plan = dataclasses.replace(plan, notes=(*plan.notes, note))
     on_disk = [t.name for t in plan.tensors if t.tier == Tier.DISK]
     if on_disk:
         raise MoeOffloadError(f"the plan puts {len(on_disk)} tensor(s) on disk (first: {on_disk[:2]}); the disk "
                               "tier is not implemented yet: plan with host and device tiers only")
 
     by_name = {t.name: t for t in plan.tensors}
+    # Quantized tensors (FP8, MXFP4) are held as stored: values as the parameter, scales as a buffer beside it
+    # in the same tier (quant_weights.py). Checked here, before any memory is taken.
+    headers = read_headers(safetensors_files(folder))
+    slots = map_keys(model, sorted({checkpoint_owner(k, spec)[0] for k in headers}), known=set(by_name))
+    quant = quant_layouts(model, spec, headers, slots, {t.name: t.shape for t in plan.tensors}) if spec else {}
     arena = HostArena(dev, want_uva=(backend == "uva"))
     try:
-        targets, splits = _allocate(model, plan, dev, arena)
-        _stream_checkpoint(folder, model, targets, splits, by_name, progress)
+        targets, splits = _allocate(model, plan, dev, arena, quant)
+        _stream_checkpoint(folder, model, targets, splits, by_name, progress, spec, slots, quant)
         for name, (host_t, visible) in targets.items():
-            set_tensor(model, name, visible, is_buffer=by_name[name].is_buffer)
+            set_tensor(model, name, visible, is_buffer=by_name[name].is_buffer if name in by_name else True)
         for alias, target in inv.tied:
             set_tensor(model, alias, model.get_parameter(target))  # the same Parameter: still tied
         _move_buffers(model, dev, set(targets))
         host_names = {t.name: t.tier for t in plan.tensors if t.tier != Tier.DEVICE}
+        host_names.update({q.scale_name: host_names[n] for n, q in quant.items() if n in host_names})
         host_tensors = {name: targets[name][0] for name in host_names if name in targets}
         runtime = Runtime(model, device=dev, backend=backend, arena=arena, host_names=host_names,
-                          host_tensors=host_tensors, plan=plan, splits=splits)
+                          host_tensors=host_tensors, plan=plan, splits=splits,
+                          cache=DeviceCache(cache_policy, cache_bytes) if cache_bytes else None, quant=quant)
         runtime.attach()
         model.moe_offload_runtime = runtime
         mismatches = audit(model, plan)
@@ -195,13 +213,15 @@ def split_ids(t, module_class: str) -> tuple[int, ...] | None:
     return None if len(ids) == experts else ids
 
 
-def _allocate(model: nn.Module, plan: Plan, dev: torch.device, arena: HostArena):
+def _allocate(model: nn.Module, plan: Plan, dev: torch.device, arena: HostArena, quant=None):
     """(name -> (host tensor or device tensor, tensor the model holds), split tensors' layouts).
 
     Host tensors live in per-layer slabs. A routed-expert tensor split between tiers holds its host experts
     as the rows of a slab tensor (the host stack: the tensor the model holds) and its other experts in a
-    device tensor (the resident stack): name -> ExpertSplit.
+    device tensor (the resident stack): name -> ExpertSplit. A quantized tensor (`quant`: name -> QuantLayout)
+    is two tensors as stored, its values and its scales, placed alike: the same tier, slab and split.
     """
+    quant = quant or {}
     meta = {**dict(model.named_parameters()), **{n: b for n, b in model.named_buffers()}}
     module_class = {name: type(model.get_submodule(name.rpartition(".")[0])).__name__ for name in meta}
     targets: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -209,51 +229,60 @@ def _allocate(model: nn.Module, plan: Plan, dev: torch.device, arena: HostArena)
     regions: dict[str, list] = defaultdict(list)
     for t in plan.tensors:
         m = meta[t.name]
-        tdtype = m.dtype
+        q = quant.get(t.name)
+        stored = [(t.name, tuple(t.shape), m.dtype)] if q is None else \
+            [(t.name, q.data_shape, q.data_dtype), (q.scale_name, q.scale_shape, q.scale_dtype)]
         ids = split_ids(t, module_class[t.name])
-        if ids is not None:
-            experts = t.shape[0]
-            resident = torch.empty((experts - len(ids), *t.shape[1:]), dtype=tdtype, device=dev)
-            splits[t.name] = ExpertSplit(resident, ids, experts)
-            region = f"layer {t.layer}" if t.layer is not None else "other"
-            regions[f"{t.component}:{region}"].append((t.name, (len(ids), *t.shape[1:]), tdtype))
-        elif t.tier == Tier.DEVICE:
-            x = torch.empty(t.shape, dtype=tdtype, device=dev)
-            if m.device.type != "meta":  # a buffer computed at construction: keep its value unless the checkpoint has one
-                x.copy_(m)
-            targets[t.name] = (x, x)
-        else:
-            region = f"layer {t.layer}" if t.layer is not None else "other"
-            regions[f"{t.component}:{region}"].append((t.name, tuple(t.shape), tdtype))
+        region = f"{t.component}:" + (f"layer {t.layer}" if t.layer is not None else "other")
+        for name, shape, tdtype in stored:
+            if ids is not None:
+                experts = t.shape[0]
+                resident = torch.empty((experts - len(ids), *shape[1:]), dtype=tdtype, device=dev)
+                splits[name] = ExpertSplit(resident, ids, experts)
+                regions[region].append((name, (len(ids), *shape[1:]), tdtype))
+            elif t.tier == Tier.DEVICE:
+                x = torch.empty(shape, dtype=tdtype, device=dev)
+                if m.device.type != "meta":  # a buffer computed at construction: kept unless the checkpoint has one
+                    x.copy_(m)
+                targets[name] = (x, x)
+            else:
+                regions[region].append((name, shape, tdtype))
     for region, specs in regions.items():
         targets.update(arena.allocate(region, specs))
     for name, (host, _) in targets.items():
-        m = meta[name]
-        if m.device.type != "meta" and arena.owns(host):
+        m = meta.get(name)
+        if m is not None and m.device.type != "meta" and arena.owns(host):
             host.copy_(m)
     return targets, splits
 
 
-def _stream_checkpoint(folder: Path, model: nn.Module, targets, splits, by_name, progress: bool) -> None:
+def _stream_checkpoint(folder: Path, model: nn.Module, targets, splits, by_name, progress: bool, spec=None,
+                       slots=None, quant=None) -> None:
+    """Write every checkpoint tensor once into its place. `slots`: owner key -> Slot (quant_weights.
+    checkpoint_owner); a quantized tensor's values and scales land in its two stored tensors (`quant`)."""
     from safetensors import safe_open
 
+    quant = quant or {}
     files = safetensors_files(folder)
-    headers = read_headers(files)
-    slots = map_keys(model, headers.keys(), known=set(by_name))
+    if slots is None:
+        slots = map_keys(model, read_headers(files).keys(), known=set(by_name))
     written: dict[str, int] = defaultdict(int)
     with _progress(progress) as bar:
         task = bar.add_task("load", total=sum(t.bytes for t in by_name.values()))
         for path in files:
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
-                    slot = slots[key]
-                    if slot.target not in targets:
+                    owner, is_scale = checkpoint_owner(key, spec)
+                    slot = slots[owner]
+                    q = quant.get(slot.target)
+                    target = q.scale_name if (q is not None and is_scale) else slot.target
+                    if target not in targets:
                         raise CheckpointError(f"{path.name}: tensor {key!r} matches no tensor of the model; "
                                               "the checkpoint and config.json are for different models")
                     src = f.get_tensor(key)  # memory-mapped: pages are read as they are copied
-                    host, _ = targets[slot.target]
-                    full = torch.empty(by_name[slot.target].shape, device="meta")
-                    shape = tuple(_destination(full, slot, key).shape)
+                    host, _ = targets[target]
+                    full_shape = by_name[target].shape if q is None else (q.scale_shape if is_scale else q.data_shape)
+                    shape = tuple(_destination(torch.empty(full_shape, device="meta"), slot, key).shape)
                     # transformers' Transpose(check_dims=True): transpose only when the tensor does not already fit.
                     if slot.transpose and not (getattr(slot, "transpose_if_needed", False)
                                                and tuple(src.shape) == shape):
@@ -261,16 +290,20 @@ def _stream_checkpoint(folder: Path, model: nn.Module, targets, splits, by_name,
                     if tuple(src.shape) != shape:
                         raise CheckpointError(
                             f"{path.name}: {key!r} has shape {list(src.shape)}, but its place in "
-                            f"{slot.target} has shape {list(shape)}; the checkpoint does not match config.json")
+                            f"{target} has shape {list(shape)}; the checkpoint does not match config.json")
                     if src.is_floating_point() != host.is_floating_point():
                         raise CheckpointError(f"{path.name}: {key!r} is {src.dtype}, the model expects {host.dtype}; "
                                               "the checkpoint does not match config.json")
-                    _write(host, splits.get(slot.target), slot, src, key)
-                    written[slot.target] += src.numel()
+                    if q is not None and src.dtype != host.dtype:   # stored bytes are copied, never converted
+                        raise CheckpointError(f"{path.name}: {key!r} is {src.dtype}, but {target} is held as "
+                                              f"stored in {host.dtype} (the checkpoint's other parts of it); "
+                                              "a tensor must be quantized whole: the checkpoint is inconsistent")
+                    _write(host, splits.get(target), slot, src, key)
+                    written[target] += src.numel()
                     bar.advance(task, src.numel() * host.element_size())
     missing = [n for n, (host, _) in targets.items()
                if written.get(n, 0) != host.numel() + (splits[n].resident.numel() if n in splits else 0)
-               and not by_name[n].is_buffer]
+               and not (n in by_name and by_name[n].is_buffer)]
     if missing:
         raise CheckpointError(f"{folder}: {len(missing)} tensor(s) not fully written by the checkpoint "
                               f"(first: {missing[:3]}); the checkpoint is incomplete")

@@ -17,19 +17,27 @@ call to an optional recorder (`Runtime.recorder`), offloaded or not.
 
 Every backend counts the bytes it reads from the host tier per forward call: that is the
 measured link traffic (`LinkCounter`).
+
+An optional device-side expert cache (`Runtime.cache`, device_cache.py) keeps offloaded experts
+that decode steps fetched in device memory carved at load; a hit reads nothing over the link.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from .experts import EXPERTS_IMPL, ExpertsState, Recorder, RoutedCall, is_experts_module, register_experts_function
 from .inventory import layer_of, layer_prefix
+from .quant_weights import Dequantizer, Reader, byte_split, byte_view, by_module as quant_by_module
 from .storage import ExpertSplit, set_tensor
+
+if TYPE_CHECKING:
+    from .device_cache import DeviceCache
 
 BACKENDS = ("uva", "prefetch")
 
@@ -70,7 +78,8 @@ class Runtime:
 
     def __init__(self, model: nn.Module, *, device: torch.device, backend: str, arena, host_names: dict[str, str],
                  host_tensors: dict[str, torch.Tensor] | None = None, plan=None,
-                 splits: dict[str, ExpertSplit] | None = None, recorder: Recorder | None = None):
+                 splits: dict[str, ExpertSplit] | None = None, recorder: Recorder | None = None,
+                 cache: "DeviceCache | None" = None, quant: dict | None = None):
         from .errors import DeviceError
 
         if backend not in BACKENDS:
@@ -90,6 +99,13 @@ class Runtime:
         # Called with each forward call's routing (RoutedCall) when set; `routed` collects it during the call.
         self.recorder: Recorder | None = recorder
         self.routed: dict[int, torch.Tensor] = {}
+        # The device-side expert cache (device_cache.py), or None; it serves decode steps (`cache_step`) only.
+        self.cache = cache
+        self.cache_step = False
+        # name -> quant_weights.QuantLayout of every tensor held quantized (values + scales as stored, in its tier);
+        # the dequantizer turns them into the compute dtype on the device right before use.
+        self.quant = dict(quant or {})
+        self.dequantizer = Dequantizer(device, self.quant) if self.quant else None
         self._handles: list = []
         self._staging: dict[tuple, torch.Tensor] = {}
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -97,6 +113,10 @@ class Runtime:
     # --- mechanism report ----------------------------------------------------------------
     @property
     def mechanism(self) -> str:
+        return self._link_mechanism + (self.dequantizer.mechanism if self.dequantizer is not None else "")
+
+    @property
+    def _link_mechanism(self) -> str:
         if self.device.type == "cpu":
             return (f"{self.backend} on cpu: no accelerator, the host tier is ordinary memory "
                     "(time figures measure overhead, not a link)")
@@ -109,6 +129,11 @@ class Runtime:
         return self.arena.nbytes
 
     # --- staging -------------------------------------------------------------------------
+    def rows_buffer(self, key: str, host: torch.Tensor, count: int) -> torch.Tensor:
+        """The reused device buffer [count, *host.shape[1:]] that `key`'s selected rows are gathered into."""
+        shape = tuple(host.shape[1:])
+        return self._buffer(("rows", key, shape, host.dtype), (count, *shape), host.dtype)
+
     def _buffer(self, key: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         need = math.prod(shape)
         buf = self._staging.get(key)
@@ -121,8 +146,7 @@ class Runtime:
                     *, key: str) -> torch.Tensor:
         """Gather the `selected` experts (ascending ids) of a split tensor, in that order: those of the resident
         stack by a device-local gather (no link bytes), those of the host stack `host` (`on_host`) over the link."""
-        shape = tuple(host.shape[1:])
-        out = self._buffer(("rows", key, shape, host.dtype), (selected.numel(), *shape), host.dtype)
+        out = self.rows_buffer(key, host, selected.numel())
         rows = split.row[selected]                                   # [U] row of each expert in its stack
         here = (~on_host).nonzero().squeeze(1)                       # positions in `out` of resident experts
         there = on_host.nonzero().squeeze(1)
@@ -133,8 +157,7 @@ class Runtime:
     def stage_rows(self, host: torch.Tensor, rows: torch.Tensor, *, key: str) -> torch.Tensor:
         """Copy host[rows] into a reused device buffer, one per `key` (a tensor's local name, so two tensors
         staged for the same forward never share one) and row shape, shared by all layers (they run in turn)."""
-        count = rows.numel()
-        out = self._buffer(("rows", key, tuple(host.shape[1:]), host.dtype), (count, *host.shape[1:]), host.dtype)
+        out = self.rows_buffer(key, host, rows.numel())
         self._copy_rows(host, rows, out)
         return out
 
@@ -172,6 +195,8 @@ class Runtime:
             mod_name, _, local = name.rpartition(".")
             by_module.setdefault(mod_name, []).append(local)
         experts_modules = []
+        quantized = quant_by_module({n: q for n, q in self.quant.items() if q.reader is Reader.EXPERTS})
+        states: dict[str, ExpertsState] = {}   # experts module name -> its state, for the device cache
         served: set[str] = set()   # split tensors an experts function will read
         dense_groups: dict[str, list[str]] = {}
         for mod_name, mod in modules.items():
@@ -179,14 +204,18 @@ class Runtime:
             if is_experts_module(mod):
                 # Every experts module gets a state, offloaded or not: the experts function records routing.
                 experts_modules.append(mod)
-                offl = {n: getattr(mod, n) for n in (locals_ or [])}
-                split = {n: self.splits[f"{mod_name}.{n}"] for n in offl if f"{mod_name}.{n}" in self.splits}
+                # float8 values are gathered as their bytes (byte_view): not every device has float8 index kernels
+                offl = {n: byte_view(getattr(mod, n)) for n in (locals_ or [])}
+                split = {n: byte_split(self.splits[f"{mod_name}.{n}"]) for n in offl
+                         if f"{mod_name}.{n}" in self.splits}
                 served.update(f"{mod_name}.{n}" for n in split)
                 num = next((getattr(mod, f) for f in ("num_experts", "num_local_experts") if hasattr(mod, f)), None)
                 if num is None and offl:  # fused experts: the leading dim of every per-expert tensor
                     name, t = next(iter(offl.items()))
                     num = split[name].num_experts if name in split else t.shape[0]
-                mod._moe_offload_state = ExpertsState(self, offl, num or 0, split, layer_of(mod_name))
+                mod._moe_offload_state = ExpertsState(self, offl, num or 0, split, layer_of(mod_name),
+                                                      quant=quantized.get(mod_name, {}))
+                states[mod_name] = mod._moe_offload_state
             elif locals_ and isinstance(mod, nn.Embedding):
                 self._hook_embedding(mod, locals_)
             elif locals_:
@@ -198,12 +227,16 @@ class Runtime:
                 dense_groups.setdefault(group, []).extend(f"{rel}.{n}" if rel else n for n in locals_)
         for group, paths in dense_groups.items():
             self._hook_dense(group, modules[group], paths)
+        if self.dequantizer is not None:   # after the dense hooks: a staged copy is dequantized, not the host one
+            self.dequantizer.hook_linears(self.model, self._handles)
         unserved = sorted(set(self.splits) - served)
         if unserved:
             from .errors import MoeOffloadError
 
             raise MoeOffloadError(f"{unserved[0]} is split between tiers but no fused experts module reads it; "
                                   "only routed-expert tensors of an experts module can go in part")
+        if self.cache is not None:
+            self.cache.attach(states, self.device)
         if experts_modules:
             self.model.set_experts_implementation(EXPERTS_IMPL)
         self._handles.append(self.model.register_forward_pre_hook(self._top_pre, with_kwargs=True))
@@ -220,13 +253,18 @@ class Runtime:
         dense = self.__dict__.pop("_dense", None)
         if dense is not None:
             dense.release()
+        if self.cache is not None:   # weights may change before attach(): cached copies would go stale
+            self.cache.drop_all()
         self.routes.clear()
         self.routed.clear()
 
-    def invalidate_staging(self) -> None:
-        """Weights were written in place (update_weights): prefetched copies of them are stale."""
+    def invalidate_staging(self, names=None) -> None:
+        """Weights were written in place (update_weights): prefetched copies of them are stale, and so are the
+        device cache's copies of the experts of `names` (dotted tensor names; None: of every tensor)."""
         if getattr(self, "_dense", None) is not None:
             self._dense.invalidate()
+        if self.cache is not None:
+            self.cache.invalidate(names)
 
     # --- hooks ---------------------------------------------------------------------------
     def _top_pre(self, module, args, kwargs):
@@ -241,6 +279,8 @@ class Runtime:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         length = getattr(cache, "get_seq_length", None)
         self._decode = bool(length()) if callable(length) else None
+        # The device cache serves the calls the counter counts as decode steps (and a trace records as such).
+        self.cache_step = self.cache is not None and (self._decode if self._decode is not None else self._tokens == 1)
 
     def _top_post(self, module, args, kwargs, output):
         for top_k_index, per_expert in self.routes:

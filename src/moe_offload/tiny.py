@@ -5,9 +5,12 @@ architecture (Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss, ...) with random weights
 writes it as an ordinary Hugging Face model folder:
 
 * ``config.json`` and ``generation_config.json``;
-* ``model.safetensors``, written by the model's own ``save_pretrained`` so the tensor
-  names, shapes and per-expert/fused layout on disk are exactly what transformers writes
-  for that architecture: per-expert tensors (``...experts.3.down_proj.weight``) for the
+* ``model.safetensors`` (shards and ``model.safetensors.index.json`` with a smaller
+  ``max_shard_size``), in the layout the model's own ``save_pretrained`` writes, so the tensor
+  names, shapes, dtypes and per-expert/fused layout on disk are exactly what transformers writes
+  for that architecture. It is streamed tensor by tensor from a meta-device model
+  (:mod:`moe_offload.stream_save`), so peak memory is a few times the largest tensor, not the
+  model. Per-expert tensors (``...experts.3.down_proj.weight``) for the
   Qwen/Mixtral/DeepSeek/OLMoE/PhiMoE/GLM/Jamba families, fused ``[E, ...]`` tensors for
   gpt-oss, GraniteMoE and Qwen3-VL-MoE. (For Qwen3-VL-MoE transformers writes its
   in-memory orientation, ``gate_up_proj`` ``[E, 2*I, H]``; released checkpoints store
@@ -21,7 +24,8 @@ writes it as an ordinary Hugging Face model folder:
 The folder loads offline with ``AutoTokenizer.from_pretrained(dir)`` and the Auto class
 named in :data:`AUTO_CLASSES` (``AutoModelForCausalLM`` for every family except
 ``qwen3_vl_moe``, which transformers only registers as an image-text-to-text model).
-Nothing is downloaded. The same arguments always give byte-identical weights.
+Nothing is downloaded. The same arguments always give byte-identical weights. A progress bar
+(bytes written) shows on a terminal.
 """
 
 from __future__ import annotations
@@ -533,6 +537,8 @@ def make_tiny(
     dtype: str | None = None,
     vocab_size: int = 512,
     quant: str | None = None,
+    max_shard_size: int | str = "50GB",
+    progress: bool | None = None,
 ) -> Path:
     """Write a tiny random-weight MoE model folder of the given ``family`` to ``out_dir``.
 
@@ -549,6 +555,10 @@ def make_tiny(
     Qwen3-FP8; the block is the largest power of two up to 128x128 that tiles the tiny
     matrices exactly), or gpt-oss MXFP4 experts (``*_blocks`` / ``*_scales``); the other
     tensors stay in ``dtype``, and config.json gets the matching ``quantization_config``.
+
+    ``max_shard_size`` (bytes, or a string such as "2GB", as ``save_pretrained`` takes it;
+    the same default) splits the weights into shards. ``progress``: show a progress bar on
+    stderr (default: when stderr is a terminal).
 
     The folder appears atomically (built in a temporary sibling, then renamed). Raises
     ``FileExistsError`` if ``out_dir`` exists and is not an empty directory, and
@@ -591,13 +601,11 @@ def make_tiny(
     config = AutoConfig.for_model(family, **_BUILDERS[family](params))
     auto_cls = getattr(transformers, AUTO_CLASSES[family])
 
-    # fork_rng: seed only for our own draws, leaving the caller's global RNG state as it was.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        # Always initialise in float32, so the float16/bfloat16 checkpoints are roundings
-        # of the very same weights as the float32 one.
-        model = auto_cls.from_config(config, dtype=torch.float32)
-    model.eval()
+    from .stream_save import meta_model
+
+    # The model as from_pretrained(dtype=...) would hold it, on the meta device: no weight exists
+    # yet; each is drawn, written and freed in turn by _write_weights.
+    model = meta_model(auto_cls, config, getattr(torch, dtype))
     model.generation_config = GenerationConfig(
         bos_token_id=params["bos"],
         eos_token_id=params["eos"],
@@ -607,12 +615,11 @@ def make_tiny(
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    bars_were_off = transformers.utils.logging.is_progress_bar_enabled() is False
-    transformers.utils.logging.disable_progress_bar()  # library call: no "Writing shards" bars
     try:
         # mkdtemp creates the folder 0700; give the final folder ordinary permissions.
         tmp.chmod(0o755)
-        _save_weights(model, auto_cls, getattr(torch, dtype), tmp)
+        _write_weights(model, tmp, seed=seed, max_shard_size=max_shard_size,
+                       progress=_stderr_is_terminal() if progress is None else progress)
         if quant is not None:
             from .quant import QuantFormat, quantize_checkpoint
 
@@ -646,28 +653,36 @@ def make_tiny(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    finally:
-        if not bars_were_off:
-            transformers.utils.logging.enable_progress_bar()
     return out
 
 
-def _save_weights(model: Any, auto_cls: Any, torch_dtype: Any, dest: Path) -> None:
-    """``save_pretrained`` ``model`` (float32) into ``dest`` with weights in ``torch_dtype``.
+def _stderr_is_terminal() -> bool:
+    import sys
 
-    For half precision the float32 model is saved once to a scratch folder and loaded back
-    with ``from_pretrained(dtype=...)``: that applies transformers' own casting rules
-    (``_keep_in_fp32_modules[_strict]``, e.g. DeepSeek router weights stay float32), so the
-    file holds exactly what a user loading at that dtype and saving would get.
+    return sys.stderr is not None and sys.stderr.isatty()
+
+
+def _write_weights(model: Any, dest: Path, *, seed: int, max_shard_size: int | str, progress: bool) -> None:
+    """Stream the weights of meta-device ``model`` into ``dest`` (config and generation config too).
+
+    Every floating tensor is drawn in float32 and rounded to its stored dtype, so the
+    float16/bfloat16 checkpoints are roundings of the very same weights as the float32 one.
     """
     import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-    if torch_dtype == torch.float32:
-        model.save_pretrained(dest)
-        return
-    with tempfile.TemporaryDirectory(prefix=f"{dest.name}.fp32-", dir=dest.parent) as scratch:
-        model.save_pretrained(scratch)
-        half = auto_cls.from_pretrained(scratch, dtype=torch_dtype)
-        half.generation_config = model.generation_config
-        # Save before the scratch folder (which the loaded tensors may map) goes away.
-        half.save_pretrained(dest)
+    from .stream_save import save_streaming
+
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True, disable=not progress) as bar:
+        task = bar.add_task("make-tiny: writing weights", total=None)
+
+        def advance(done: int, total: int, key: str) -> None:
+            where = ".".join(key.split(".")[:3])   # model.layers.7: the decoder layer being written
+            bar.update(task, completed=done, total=total, description=f"make-tiny: {where}")
+
+        # fork_rng: seed only for our own draws, leaving the caller's global RNG state as it was.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            save_streaming(model, dest, max_shard_size=max_shard_size, progress=advance)

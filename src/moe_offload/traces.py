@@ -263,11 +263,16 @@ def expert_counts(traces: Trace | Iterable[Trace], phase: str | None = "decode")
             raise TraceError(f"{t.name} ({t.header.num_experts} experts, layers {list(t.header.layers)}) and "
                              f"{traces[0].name} ({first.num_experts} experts, layers {list(first.layers)}) are "
                              "traces of different models: give traces of one model")
-    counts = np.zeros((len(first.layers), first.num_experts), dtype=np.int64)
+    n = len(first.layers)
+    counts = np.zeros((n, first.num_experts), dtype=np.int64)
     for t in traces:
-        for row in _phase_rows(t, phase):
-            for i, ids in enumerate(row.experts):
-                counts[i, list(ids)] += 1   # ids are distinct within a layer
+        rows = list(_phase_rows(t, phase))
+        if not rows:
+            continue
+        picks = routing_array(rows, max(1, max(len(ids) for r in rows for ids in r.experts)), n)
+        for i in range(n):
+            col = picks[:, i, :].ravel()
+            counts[i] += np.bincount(col[col >= 0], minlength=first.num_experts)   # ids are distinct per token
     return {layer: counts[i].tolist() for i, layer in enumerate(first.layers)}
 
 

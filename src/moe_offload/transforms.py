@@ -123,7 +123,7 @@ def update_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> Non
                                   f"{list(target.shape)}; apply the same transforms to the update first")
         with torch.no_grad():
             target.copy_(value)  # host bytes written on the host, resident ones on the device
-    runtime.invalidate_staging()
+    runtime.invalidate_staging(list(weights))   # and the device cache's copies of these tensors' experts
     _check(model, runtime)
 
 
