@@ -7,13 +7,17 @@ count the same thing. At batch 1 a decode token reads, from the tier where each 
     one row of every offloaded lookup table (the input embedding)
     of each fused routed-expert tensor [E, ...]: bytes // E for every expert it picked that is offloaded
 
+Each byte is read from the tier it lies in: a tensor on disk is read from the checkpoint (dense ones
+in full, lookup tables by the row), and an expert of a tensor split by expert from the tier of that
+expert (host_ids on the host, disk_ids on disk). A device-side cache hit reads nothing from either.
+
 so a token's bytes are `dense + sum over layers of expert_bytes[layer][picked]`. The expected
 value follows from the probability that a token reads each expert: k/E under uniform routing,
 or measured frequencies; at batch b a step reads an expert when any of its b tokens picks it
 (1 - (1 - p)^b, tokens taken as independent) and the step's bytes are shared by b tokens.
 
 This module takes PlannedTensor-like objects (name, shape, bytes, layer, component, role, tier,
-experts, top_k, offloaded_bytes, host_ids) and never imports the planner: the planner imports it.
+experts, top_k, offloaded_bytes, host_ids, disk_ids) and never imports the planner: the planner imports it.
 """
 
 from __future__ import annotations
@@ -44,12 +48,24 @@ class TensorLike(Protocol):
     @property
     def host_ids(self) -> tuple[int, ...]: ...
 
+    @property
+    def disk_ids(self) -> tuple[int, ...]: ...
+
+
+def expert_ids_by_tier(t: TensorLike) -> dict[str, tuple[int, ...]]:
+    """{tier: the expert ids of routed tensor t that lie there}, for the offloaded tiers holding any of them:
+    its host_ids and disk_ids when split by expert, or all E in its tier when it went whole."""
+    if t.tier not in (HOST, DISK) or t.role != _ROUTED or not t.experts:
+        return {}
+    host, disk = tuple(t.host_ids), tuple(getattr(t, "disk_ids", ()))
+    if not host and not disk:
+        return {t.tier: tuple(range(t.experts))}
+    return {tier: ids for tier, ids in ((HOST, host), (DISK, disk)) if ids}
+
 
 def expert_ids_offloaded(t: TensorLike) -> tuple[int, ...]:
-    """The expert ids whose slice of a routed tensor is offloaded: its host_ids, or all E when it went whole."""
-    if t.tier not in (HOST, DISK) or t.role != _ROUTED or not t.experts:
-        return ()
-    return t.host_ids or tuple(range(t.experts))
+    """The expert ids whose slice of a routed tensor is offloaded (host or disk), ascending."""
+    return tuple(sorted(e for ids in expert_ids_by_tier(t).values() for e in ids))
 
 
 def expert_slice_bytes(t: TensorLike) -> int:
@@ -91,9 +107,11 @@ class TokenBytes:
             if t.tier not in (HOST, DISK) or t.component != "language":
                 continue   # resident, or a tower that runs at prefill only: a decoded token reads none of it
             if t.role == _ROUTED and t.experts and t.layer is not None:
-                ids = list(expert_ids_offloaded(t))
-                expert[t.tier][row[t.layer], ids] += expert_slice_bytes(t)
-                terms.append((t.tier, _ROUTED, t.offloaded_bytes, t.experts, t.top_k or 0))
+                by_tier = expert_ids_by_tier(t)
+                for tier, ids in by_tier.items():
+                    expert[tier][row[t.layer], list(ids)] += expert_slice_bytes(t)
+                    part = t.offloaded_bytes if len(by_tier) == 1 else expert_slice_bytes(t) * len(ids)
+                    terms.append((tier, _ROUTED, part, t.experts, t.top_k or 0))
             elif t.role == _EMBEDDING and t.shape:
                 dense[t.tier] += t.bytes // t.shape[0]     # one row per decoded token
                 terms.append((t.tier, _EMBEDDING, t.offloaded_bytes, t.shape[0], 0))

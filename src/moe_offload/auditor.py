@@ -4,7 +4,8 @@ The silent de-offload class of bugs (a `.contiguous()` on a zero-copy view that 
 full device copy, a Parameter re-registered without its mark) leaves a model that runs
 but holds offloaded weights on the device. The audit looks at where each tensor's bytes
 actually are, by address, and reports each mismatch with its bytes. A tensor held quantized
-is checked with its scales: they lie in its tier (and split alike), its values still stored.
+is checked with its scales: they lie in its tier (and split alike), its values still stored. A disk-tier
+tensor must be one the runtime reads from the checkpoint, held by the model as a meta placeholder.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def audit(model: nn.Module, plan: Plan) -> list[Mismatch]:
         if live is None:
             out.append(Mismatch(t.name, t.tier, "missing", t.bytes))
             continue
-        actual = actual_tier(live, arena, device)
+        actual = _disk_tier(t.name, live, runtime) or actual_tier(live, arena, device)
         if actual != t.tier:
             out.append(Mismatch(t.name, t.tier, actual, t.offloaded_bytes or t.bytes))
         ids = t.host_ids
@@ -58,6 +59,15 @@ def audit(model: nn.Module, plan: Plan) -> list[Mismatch]:
         if q is not None:
             out += _audit_scales(t, q, live, tensors.get(q.scale_name), runtime, arena, device)
     return out
+
+
+def _disk_tier(name: str, live, runtime) -> str | None:
+    """`disk` for a tensor the runtime reads from the checkpoint and the model holds as a placeholder (meta:
+    no memory); None for any other tensor. A disk-tier tensor with real memory behind it is a copy."""
+    disk = getattr(runtime, "disk", None)
+    if disk is None or name not in disk.tensors:
+        return None
+    return Tier.DISK.value if live.device.type == "meta" else f"a {live.device} copy of a disk-tier tensor"
 
 
 def _audit_scales(t, q, values, live, runtime, arena, device) -> list[Mismatch]:

@@ -18,8 +18,8 @@ Policies (`make_cache(name, capacity_bytes)`):
   a rarely used expert from flushing a hot one, which LRU cannot refuse (a cache smaller
   than one token's picks makes LRU evict every expert just before it is needed again).
   Heat is kept for evicted experts too, so a returning expert competes with its history.
-  Layers share the one cache and compete by heat, a per-token rate: a layer with skewed
-  routing keeps more of its experts than a layer whose routing is flat.
+  Heat is a per-token rate, comparable across layers: the one cache the layers share holds
+  the hottest experts of the whole model, not a fixed share per layer.
 - `lru`: evict the least recently used expert; always admit.
 - `lfu`: evict the expert with the fewest accesses since the cache was made (counts survive
   eviction, "perfect" LFU); ties go to the least recently used; always admit.
@@ -290,6 +290,7 @@ class BeladyCache(ExpertCache):
             seen[k] = i
         self._next: dict = {}  # resident key -> its next use
         self._heap: list = []  # (-next use, key): the farthest first
+        self._incoming = never  # the next use of the key being accessed
 
     def _advance(self, key):
         pos = self.clock - 1

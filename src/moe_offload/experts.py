@@ -21,6 +21,9 @@ A module whose experts are held quantized (FP8, MXFP4: quant_weights.py) always 
 path, resident or not: its values and scales are gathered as stored, then exactly the selected experts
 are dequantized on the device into reused buffers, and the eager loop runs on those.
 
+Tensors on the disk tier (disk_tier.py) always take the gathering path: the selected experts are read from
+the checkpoint into the same reused buffers, counted in the runtime's disk counter.
+
 Link bytes count only the selected experts that are on the host. With a device-side expert cache
 (device_cache.py), a decode step gathers every offloaded tensor the same way, each selected expert
 from its cache pages (a hit: no link bytes), its resident stack, or the host (a miss).
@@ -113,18 +116,21 @@ class ExpertsState:
     # local name -> quant_weights.QuantLayout of tensors held quantized: their selected experts are gathered as
     # stored (values and scales, fp8 as bytes), then dequantized on the device before the eager forward
     quant: dict = field(default_factory=dict)
+    # local name -> disk_tier.DiskTensor of tensors on the disk tier: their selected experts are read from the
+    # checkpoint (a disk-tier split tensor's layout is in `split`, its disk experts as the "host" ids)
+    disk: dict = field(default_factory=dict)
 
     def run(self, module, hidden_states, top_k_index, top_k_weights):
         # top_k_index: [T, k] expert ids; the selected experts are the only ones read.
         rt = self.runtime
         if rt.recorder is not None and self.layer is not None:
             rt.routed[self.layer] = top_k_index.detach()
-        if not self.offloaded and not self.quant:
+        if not self.offloaded and not self.quant and not self.disk:
             return original_forward(module)(module, hidden_states, top_k_index, top_k_weights)
         # A decode step with a device cache reads each selected expert from its cache pages when it holds it
         # (device_cache.py), so even uva's whole host tensors are then gathered rather than read in place.
         cached = rt.cache_step and bool(self.offloaded) and self.layer is not None
-        if rt.backend == "uva" and not self.split and not cached and not self.quant:
+        if rt.backend == "uva" and not self.split and not cached and not self.quant and not self.disk:
             # In place: the eager forward indexes each selected expert of the host view. Counting distinct
             # experts needs their number on the host, so it waits for the end of the forward call.
             per_expert = sum(_row_bytes(t) for t in self.offloaded.values())
@@ -136,6 +142,8 @@ class ExpertsState:
         local = torch.searchsorted(selected, top_k_index)       # [T, k] in 0..U-1
         on_host: dict[tuple[int, ...], tuple[torch.Tensor, int]] = {}   # host_ids -> (mask [U], count)
         staged = rt.cache.gather(rt, self, selected) if cached else {}
+        for name, src in self.disk.items():                     # read from the checkpoint (disk_tier.py)
+            staged[name] = rt.disk.stage_experts(rt, src, selected, self.split.get(name), key=name)
         for name, t in self.offloaded.items():
             if name in staged:                                  # gathered through the device cache
                 continue

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,6 +25,8 @@ import torch
 import torch.nn as nn
 
 from .device_cache import DeviceCache, cache_options, check_capacity, reserve_note
+from .disk import SafetensorsReader
+from .disk_tier import DiskTier, placeholder as disk_placeholder
 from .errors import CheckpointError, ConfigError, DeviceError, MoeOffloadError, PlanMismatchError, SelectorError
 from .inventory import (DTYPE_NAMES, build_meta_model, from_checkpoint, read_config, read_headers,
                         safetensors_files)
@@ -32,6 +35,9 @@ from .planner import Plan, Tier, plan as make_plan
 from .quant import spec_from_config
 from .quant_weights import checkpoint_owner, quant_layouts
 from .storage import ExpertSplit, HostArena, expert_runs, resolve_device, set_tensor
+
+# O_DIRECT bounce buffer of the loader's reads: large sequential reads, freed when each file is done.
+_LOAD_BOUNCE = 16 << 20
 
 
 @contextlib.contextmanager
@@ -106,10 +112,6 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     note = reserve_note(cache_bytes, cache_policy, budget.get("device_memory_gb"), budget.get("reserve_gb"))
     if note:
         plan = dataclasses.replace(plan, notes=(*plan.notes, note))
-    on_disk = [t.name for t in plan.tensors if t.tier == Tier.DISK]
-    if on_disk:
-        raise MoeOffloadError(f"the plan puts {len(on_disk)} tensor(s) on disk (first: {on_disk[:2]}); the disk "
-                              "tier is not implemented yet: plan with host and device tiers only")
 
     by_name = {t.name: t for t in plan.tensors}
     # Quantized tensors (FP8, MXFP4) are held as stored: values as the parameter, scales as a buffer beside it
@@ -118,20 +120,29 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     slots = map_keys(model, sorted({checkpoint_owner(k, spec)[0] for k in headers}), known=set(by_name))
     quant = quant_layouts(model, spec, headers, slots, {t.name: t.shape for t in plan.tensors}) if spec else {}
     arena = HostArena(dev, want_uva=(backend == "uva"))
+    disk = None
     try:
+        # Disk-tier tensors are not read here: the runtime reads them from these files (disk_tier.py).
+        disk = DiskTier.build(folder, plan, slots, dev, quant)
         targets, splits = _allocate(model, plan, dev, arena, quant)
-        _stream_checkpoint(folder, model, targets, splits, by_name, progress, spec, slots, quant)
+        _stream_checkpoint(folder, model, targets, splits, by_name, progress, spec, slots, quant,
+                           disk=set(disk.tensors) if disk is not None else set())
         for name, (host_t, visible) in targets.items():
             set_tensor(model, name, visible, is_buffer=by_name[name].is_buffer if name in by_name else True)
+        for name in (disk.tensors if disk is not None else ()):
+            t = by_name[name]
+            shape = (len(t.host_ids), *t.shape[1:]) if name in splits else t.shape  # a split: its disk stack
+            set_tensor(model, name, disk_placeholder(shape, disk.tensors[name].dtype), is_buffer=t.is_buffer)
         for alias, target in inv.tied:
             set_tensor(model, alias, model.get_parameter(target))  # the same Parameter: still tied
-        _move_buffers(model, dev, set(targets))
-        host_names = {t.name: t.tier for t in plan.tensors if t.tier != Tier.DEVICE}
+        _move_buffers(model, dev, set(targets), set(disk.tensors) if disk is not None else set())
+        host_names = {t.name: t.tier for t in plan.tensors if t.tier == Tier.HOST}
         host_names.update({q.scale_name: host_names[n] for n, q in quant.items() if n in host_names})
         host_tensors = {name: targets[name][0] for name in host_names if name in targets}
         runtime = Runtime(model, device=dev, backend=backend, arena=arena, host_names=host_names,
                           host_tensors=host_tensors, plan=plan, splits=splits,
-                          cache=DeviceCache(cache_policy, cache_bytes) if cache_bytes else None, quant=quant)
+                          cache=DeviceCache(cache_policy, cache_bytes) if cache_bytes else None, quant=quant,
+                          disk=disk)
         runtime.attach()
         model.moe_offload_runtime = runtime
         mismatches = audit(model, plan)
@@ -140,6 +151,8 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
         _load_generation_config(model, folder)
     except BaseException:
         arena.release()
+        if disk is not None:
+            disk.close()
         raise
     return model, plan
 
@@ -187,9 +200,10 @@ def split_ids(t, module_class: str) -> tuple[int, ...] | None:
         return None
     what = (f"the plan offloads experts {list(t.host_expert_ids) or t.host_experts} of {t.name} ({t.role}, shape "
             f"{list(t.shape)}, tier {t.tier})")
-    if not (t.tier == Tier.HOST and t.role == "routed_expert" and len(t.shape) >= 2 and "Experts" in module_class):
-        raise MoeOffloadError(f"{what}: only a fused routed-expert tensor on the host can go in part (by expert); "
-                              "plan this model again")
+    if not (t.tier in (Tier.HOST, Tier.DISK) and t.role == "routed_expert" and len(t.shape) >= 2
+            and "Experts" in module_class):
+        raise MoeOffloadError(f"{what}: only a fused routed-expert tensor on the host or disk can go in part (by "
+                              "expert); plan this model again")
     experts = t.shape[0]
     if not t.host_expert_ids:
         if not 0 < t.host_experts <= experts:
@@ -239,7 +253,10 @@ def _allocate(model: nn.Module, plan: Plan, dev: torch.device, arena: HostArena,
                 experts = t.shape[0]
                 resident = torch.empty((experts - len(ids), *shape[1:]), dtype=tdtype, device=dev)
                 splits[name] = ExpertSplit(resident, ids, experts)
-                regions[region].append((name, (len(ids), *shape[1:]), tdtype))
+                if t.tier == Tier.HOST:   # a disk-tier split: its other experts stay in the checkpoint
+                    regions[region].append((name, (len(ids), *shape[1:]), tdtype))
+            elif t.tier == Tier.DISK:
+                continue
             elif t.tier == Tier.DEVICE:
                 x = torch.empty(shape, dtype=tdtype, device=dev)
                 if m.device.type != "meta":  # a buffer computed at construction: kept unless the checkpoint has one
@@ -257,11 +274,15 @@ def _allocate(model: nn.Module, plan: Plan, dev: torch.device, arena: HostArena,
 
 
 def _stream_checkpoint(folder: Path, model: nn.Module, targets, splits, by_name, progress: bool, spec=None,
-                       slots=None, quant=None) -> None:
+                       slots=None, quant=None, disk: set[str] = frozenset()) -> None:
     """Write every checkpoint tensor once into its place. `slots`: owner key -> Slot (quant_weights.
-    checkpoint_owner); a quantized tensor's values and scales land in its two stored tensors (`quant`)."""
-    from safetensors import safe_open
+    checkpoint_owner); a quantized tensor's values and scales land in its two stored tensors (`quant`).
+    Tensors in `disk` are not read (a disk-tier split tensor: only its resident experts).
 
+    Files are read through disk.SafetensorsReader (O_DIRECT, or buffered reads whose pages are released after
+    each read), in file order, straight into the destination when it is contiguous and needs no conversion:
+    a memory-mapped shard would keep every page it touched resident while the model fills up (peak RSS about
+    twice the checkpoint)."""
     quant = quant or {}
     files = safetensors_files(folder)
     if slots is None:
@@ -270,40 +291,63 @@ def _stream_checkpoint(folder: Path, model: nn.Module, targets, splits, by_name,
     with _progress(progress) as bar:
         task = bar.add_task("load", total=sum(t.bytes for t in by_name.values()))
         for path in files:
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
+            with SafetensorsReader(path, bounce_bytes=_LOAD_BOUNCE) as reader:
+                for span in sorted(reader.tensors.values(), key=lambda sp: sp.start):
+                    key = span.name
                     owner, is_scale = checkpoint_owner(key, spec)
                     slot = slots[owner]
                     q = quant.get(slot.target)
                     target = q.scale_name if (q is not None and is_scale) else slot.target
-                    if target not in targets:
+                    if target in disk and target not in splits:
+                        continue                      # read at run time from this file (disk_tier.py)
+                    if target not in targets and target not in splits:
                         raise CheckpointError(f"{path.name}: tensor {key!r} matches no tensor of the model; "
                                               "the checkpoint and config.json are for different models")
-                    src = f.get_tensor(key)  # memory-mapped: pages are read as they are copied
-                    host, _ = targets[target]
+                    host = targets[target][0] if target in targets else None   # None: a disk-tier split
+                    split = splits.get(target)
+                    if split is not None and host is None and slot.expert is not None \
+                            and split.where(slot.expert)[0] == Tier.HOST.value:
+                        continue                      # this expert of a disk-tier split stays on disk
+                    like = host if host is not None else split.resident
                     full_shape = by_name[target].shape if q is None else (q.scale_shape if is_scale else q.data_shape)
                     shape = tuple(_destination(torch.empty(full_shape, device="meta"), slot, key).shape)
+                    stored = tuple(span.shape)
                     # transformers' Transpose(check_dims=True): transpose only when the tensor does not already fit.
-                    if slot.transpose and not (getattr(slot, "transpose_if_needed", False)
-                                               and tuple(src.shape) == shape):
-                        src = src.transpose(*slot.transpose)
-                    if tuple(src.shape) != shape:
+                    transpose = slot.transpose is not None and not (getattr(slot, "transpose_if_needed", False)
+                                                                    and stored == shape)
+                    if transpose:
+                        a, b = slot.transpose
+                        stored = list(stored)
+                        stored[a], stored[b] = stored[b], stored[a]
+                        stored = tuple(stored)
+                    if stored != shape:
                         raise CheckpointError(
-                            f"{path.name}: {key!r} has shape {list(src.shape)}, but its place in "
+                            f"{path.name}: {key!r} has shape {list(stored)}, but its place in "
                             f"{target} has shape {list(shape)}; the checkpoint does not match config.json")
-                    if src.is_floating_point() != host.is_floating_point():
-                        raise CheckpointError(f"{path.name}: {key!r} is {src.dtype}, the model expects {host.dtype}; "
+                    if span.dtype.is_floating_point != like.is_floating_point():
+                        raise CheckpointError(f"{path.name}: {key!r} is {span.dtype}, the model expects {like.dtype}; "
                                               "the checkpoint does not match config.json")
-                    if q is not None and src.dtype != host.dtype:   # stored bytes are copied, never converted
-                        raise CheckpointError(f"{path.name}: {key!r} is {src.dtype}, but {target} is held as "
-                                              f"stored in {host.dtype} (the checkpoint's other parts of it); "
+                    if q is not None and span.dtype != like.dtype:   # stored bytes are copied, never converted
+                        raise CheckpointError(f"{path.name}: {key!r} is {span.dtype}, but {target} is held as "
+                                              f"stored in {like.dtype} (the checkpoint's other parts of it); "
                                               "a tensor must be quantized whole: the checkpoint is inconsistent")
-                    _write(host, splits.get(target), slot, src, key)
-                    written[target] += src.numel()
-                    bar.advance(task, src.numel() * host.element_size())
+                    dst = (_destination(host, slot, key) if host.dim() else host) \
+                        if split is None and not transpose else None
+                    if dst is not None and dst.device.type == "cpu" and dst.is_contiguous() \
+                            and dst.dtype == span.dtype:
+                        reader.read(key, out=dst)     # straight into its place: no temporary
+                    else:
+                        src = reader.read(key)
+                        if transpose:
+                            src = src.transpose(*slot.transpose)
+                        _write(host, split, slot, src, key)
+                    numel = math.prod(span.shape)
+                    written[target] += numel
+                    bar.advance(task, numel * like.element_size())
     missing = [n for n, (host, _) in targets.items()
                if written.get(n, 0) != host.numel() + (splits[n].resident.numel() if n in splits else 0)
                and not (n in by_name and by_name[n].is_buffer)]
+    missing += [n for n, sp in splits.items() if n not in targets and written.get(n, 0) != sp.resident.numel()]
     if missing:
         raise CheckpointError(f"{folder}: {len(missing)} tensor(s) not fully written by the checkpoint "
                               f"(first: {missing[:3]}); the checkpoint is incomplete")
@@ -319,6 +363,8 @@ def _write(host: torch.Tensor, split: ExpertSplit | None, slot, src: torch.Tenso
             raise CheckpointError(f"checkpoint tensor {key!r} is concatenated along the experts dim of "
                                   f"{slot.target}, which the plan splits by expert; offload it whole instead")
         for stack, ids in ((split.resident, split.resident_ids), (host, split.host_ids)):
+            if stack is None:   # a disk-tier split: its disk experts stay in the checkpoint
+                continue
             dst = _destination(stack, slot, key)
             for row, first, count in expert_runs(ids):
                 dst[row:row + count].copy_(src[first:first + count])
@@ -341,14 +387,14 @@ def _destination(host: torch.Tensor, slot, key: str) -> torch.Tensor:
     return dst
 
 
-def _move_buffers(model: nn.Module, dev: torch.device, placed: set[str]) -> None:
+def _move_buffers(model: nn.Module, dev: torch.device, placed: set[str], on_disk: set[str] = frozenset()) -> None:
     """Non-persistent buffers (rotary tables) were computed on the CPU at construction: move them.
 
     Buffers in `placed` are already in their planned tier (an offloaded one stays on the host)."""
     for name, buf in list(model.named_buffers()):
-        if name not in placed and buf.device != dev and buf.device.type != "meta":
+        if name not in placed and name not in on_disk and buf.device != dev and buf.device.type != "meta":
             set_tensor(model, name, buf.to(dev), is_buffer=True)
-    leftover = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    leftover = [n for n, p in model.named_parameters() if p.device.type == "meta" and n not in on_disk]
     if leftover:
         raise CheckpointError(f"{len(leftover)} parameter(s) were not loaded (first: {leftover[:3]})")
 

@@ -46,12 +46,17 @@ class PlannedTensor:
     top_k: int | None       # k, for routed experts
     tier: str
     reason: str
-    # A routed-expert tensor [E, ...] split between tiers: its last `host_experts` experts are on the host,
-    # the others on the device (tier "host"). 0: the tensor lies whole in its tier.
+    # A routed-expert tensor [E, ...] split between tiers by expert. `tier` is then the furthest tier any of its
+    # experts lies in (disk, else host), so `tier != "device"` still means "offloaded, at least in part" and
+    # `tier == "disk"` means "the runtime reads some of it from the checkpoint". The experts not listed in
+    # either field below are on the device. A tensor that lies whole in its tier lists none.
+    # host_experts: how many experts are on the host; host_expert_ids: which (ascending). Two-tier plans may
+    # give the count alone, meaning the last `host_experts` experts (sparse-first's device/host split).
     host_experts: int = 0
-    # The sorted ids of the experts on the host when the tensor is offloaded in part or whole by expert
-    # (frequency placement: any subset, not only the last n). Empty: the last `host_experts` experts, if any.
     host_expert_ids: tuple[int, ...] = ()
+    # The ascending ids of the experts on disk (tier "disk"); always explicit, and then host_expert_ids is
+    # explicit too (empty: none on the host). Plans written before the disk tier have none.
+    disk_expert_ids: tuple[int, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -62,22 +67,45 @@ class PlannedTensor:
         """Ids of the experts of a split tensor that lie on the host (ascending); () for a whole tensor."""
         if self.host_expert_ids:
             return self.host_expert_ids
-        if self.host_experts:
+        if self.host_experts and not self.disk_expert_ids:
             return tuple(range(self.shape[0] - self.host_experts, self.shape[0]))
         return ()
 
     @property
+    def disk_ids(self) -> tuple[int, ...]:
+        """Ids of the experts of a split tensor that lie on disk (ascending); () for a whole tensor."""
+        return self.disk_expert_ids
+
+    @property
+    def offloaded_ids(self) -> tuple[int, ...]:
+        """Ids of the experts of a split tensor that are off the device (host or disk, ascending); () if whole."""
+        return tuple(sorted((*self.host_ids, *self.disk_ids)))
+
+    @property
     def resident_experts(self) -> int:
-        """Experts [0, resident_experts) of a split tensor stay on the device."""
-        return self.shape[0] - self.host_experts if self.host_experts else 0
+        """How many experts of a split tensor stay on the device (0 for a whole tensor)."""
+        off = self.offloaded_ids
+        return self.shape[0] - len(off) if off else 0
 
     @property
     def offloaded_bytes(self) -> int:
+        """Bytes off the device: on the host or on disk."""
         if self.tier == Tier.DEVICE:
             return 0
-        if self.host_experts:
-            return self.bytes // self.shape[0] * self.host_experts
-        return self.bytes
+        off = self.offloaded_ids
+        return self.bytes // self.shape[0] * len(off) if off else self.bytes
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes on disk: read from the checkpoint at run time."""
+        if self.tier != Tier.DISK:
+            return 0
+        return self.bytes // self.shape[0] * len(self.disk_ids) if self.offloaded_ids else self.bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes in host memory."""
+        return self.offloaded_bytes - self.disk_bytes
 
     def density(self, batch: int = 1) -> float:
         """Expected fraction of this tensor's bytes read by one decode step of `batch` sequences."""
@@ -99,6 +127,9 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     # frequency plans: (layer, per expert the probability that one decoded token picks it), from the statistics
     expert_densities: tuple[tuple[int, tuple[float, ...]], ...] = ()
+    # The host tier's capacity the plan was made for (host_memory_gb, or 0 on a CPU-only machine with
+    # device_memory_gb alone); what left the device beyond it is on disk. None: the host tier is unbounded.
+    host_budget_bytes: int | None = None
 
     # --- views -------------------------------------------------------------------------
     @property
@@ -116,6 +147,15 @@ class Plan:
     @property
     def resident_bytes(self) -> int:
         return self.total_bytes - self.offloaded_bytes
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(t.disk_bytes for t in self.tensors)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes in the host tier (offloaded_bytes = host_bytes + disk_bytes)."""
+        return self.offloaded_bytes - self.disk_bytes
 
     @property
     def total_params(self) -> int:
@@ -149,17 +189,25 @@ class Plan:
         """
         return self.token_bytes().expected_total(batch or self.batch, self.frequencies)
 
+    def link_bytes_by_tier(self, batch: int | None = None) -> tuple[float, float]:
+        """(host, disk): expected bytes per decoded token read from host memory and from disk; they sum to
+        link_bytes_per_token."""
+        return self.token_bytes().expected(batch or self.batch, self.frequencies)
+
     def roles(self) -> dict[str, dict[str, int]]:
-        out: dict[str, dict[str, int]] = {r.value: {"params": 0, "bytes": 0, "offloaded_bytes": 0} for r in Role}
+        out: dict[str, dict[str, int]] = {r.value: {"params": 0, "bytes": 0, "offloaded_bytes": 0, "disk_bytes": 0}
+                                          for r in Role}
         for t in self.tensors:
             row = out[t.role]
             row["params"] += 0 if t.is_buffer else t.numel
             row["bytes"] += t.bytes
             row["offloaded_bytes"] += t.offloaded_bytes
+            row["disk_bytes"] += t.disk_bytes
         return out
 
     # --- serialisation -----------------------------------------------------------------
     def to_dict(self) -> dict:
+        host_link, disk_read = self.link_bytes_by_tier()
         return {
             "format": PLAN_FORMAT,
             "model_type": self.model_type,
@@ -172,7 +220,12 @@ class Plan:
             "offloaded_bytes": self.offloaded_bytes,
             "resident_bytes": self.resident_bytes,
             "budget_bytes": self.budget_bytes,
-            "link_bytes_per_token": self.link_bytes_per_token(),
+            "host_bytes": self.host_bytes,
+            "disk_bytes": self.disk_bytes,
+            "host_budget_bytes": self.host_budget_bytes,
+            "link_bytes_per_token": host_link + disk_read,
+            "host_link_bytes_per_token": host_link,
+            "disk_read_bytes_per_token": disk_read,
             "roles": self.roles(),
             "tensors": [dict(asdict(t), shape=list(t.shape)) for t in self.tensors],
             "notes": list(self.notes),
@@ -191,15 +244,38 @@ class Plan:
             if data.get("format") != PLAN_FORMAT:
                 raise ValueError(f"plan format {data.get('format')!r}, this moe-offload reads format {PLAN_FORMAT}")
             tensors = tuple(PlannedTensor(**{**t, "shape": tuple(t["shape"]), "tier": Tier(t["tier"]).value,
-                                             "host_expert_ids": tuple(t.get("host_expert_ids", ()))})
+                                             "host_expert_ids": tuple(t.get("host_expert_ids", ())),
+                                             "disk_expert_ids": tuple(t.get("disk_expert_ids", ()))})
                             for t in data["tensors"])
+            for t in tensors:
+                _check_tiers(t)
             densities = tuple((int(layer), tuple(float(x) for x in p))
                               for layer, p in data.get("expert_densities", {}).items())
+            host_budget = data.get("host_budget_bytes")
             return cls(tensors, data["model_type"], data["policy"], int(data["budget_bytes"]), int(data["batch"]),
-                       tuple(data.get("offload_params", ())), tuple(data.get("notes", ())), densities)
+                       tuple(data.get("offload_params", ())), tuple(data.get("notes", ())), densities,
+                       None if host_budget is None else int(host_budget))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise MoeOffloadError(f"not a moe-offload plan ({type(exc).__name__}: {exc}); save one with "
                                   "`moe-offload plan --save PLAN.json`") from exc
+
+
+def _check_tiers(t: PlannedTensor) -> None:
+    """A saved tensor's experts must each lie in one tier (ValueError: from_json makes it a user error)."""
+    if not t.disk_expert_ids:
+        return
+    host, disk, e = tuple(t.host_expert_ids), tuple(t.disk_expert_ids), t.shape[0] if t.shape else 0
+    where = f"tensor {t.name}: disk_expert_ids {list(disk)[:8]}"
+    if t.tier != Tier.DISK:
+        raise ValueError(f"{where} with tier {t.tier!r}; a tensor with experts on disk has tier 'disk'")
+    for ids in (host, disk):
+        if ids and (list(ids) != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= e):
+            raise ValueError(f"{where}: expert ids must be ascending, distinct and below {e}")
+    if set(host) & set(disk):
+        raise ValueError(f"{where}: experts {sorted(set(host) & set(disk))[:8]} are on the host and on disk")
+    if t.host_experts != len(host):
+        raise ValueError(f"{where}: host_experts {t.host_experts} but {len(host)} host_expert_ids; with experts "
+                         "on disk the host's are listed")
 
 
 def format_bytes(n: float) -> str:

@@ -79,7 +79,7 @@ class Runtime:
     def __init__(self, model: nn.Module, *, device: torch.device, backend: str, arena, host_names: dict[str, str],
                  host_tensors: dict[str, torch.Tensor] | None = None, plan=None,
                  splits: dict[str, ExpertSplit] | None = None, recorder: Recorder | None = None,
-                 cache: "DeviceCache | None" = None, quant: dict | None = None):
+                 cache: "DeviceCache | None" = None, quant: dict | None = None, disk=None):
         from .errors import DeviceError
 
         if backend not in BACKENDS:
@@ -95,6 +95,9 @@ class Runtime:
         # name -> layout (resident stack, host ids) of routed-expert tensors split between tiers by expert
         self.splits = dict(splits or {})
         self.counter = LinkCounter()
+        # The disk tier (disk_tier.DiskTier) or None; its reads are counted apart from the host link's.
+        self.disk = disk
+        self.disk_counter = LinkCounter()
         self.routes: list[tuple[torch.Tensor, int]] = []  # uva: (top_k_index, bytes per expert), counted per call
         # Called with each forward call's routing (RoutedCall) when set; `routed` collects it during the call.
         self.recorder: Recorder | None = recorder
@@ -113,7 +116,8 @@ class Runtime:
     # --- mechanism report ----------------------------------------------------------------
     @property
     def mechanism(self) -> str:
-        return self._link_mechanism + (self.dequantizer.mechanism if self.dequantizer is not None else "")
+        disk = f"; {self.disk.mechanism}" if self.disk is not None else ""
+        return self._link_mechanism + disk + (self.dequantizer.mechanism if self.dequantizer is not None else "")
 
     @property
     def _link_mechanism(self) -> str:
@@ -206,6 +210,9 @@ class Runtime:
                 experts_modules.append(mod)
                 # float8 values are gathered as their bytes (byte_view): not every device has float8 index kernels
                 offl = {n: byte_view(getattr(mod, n)) for n in (locals_ or [])}
+                disk = {n: self.disk.tensors[f"{mod_name}.{n}"] for n in mod._parameters
+                        if self.disk is not None and f"{mod_name}.{n}" in self.disk.tensors}
+                served.update(f"{mod_name}.{n}" for n in disk if f"{mod_name}.{n}" in self.splits)
                 split = {n: byte_split(self.splits[f"{mod_name}.{n}"]) for n in offl
                          if f"{mod_name}.{n}" in self.splits}
                 served.update(f"{mod_name}.{n}" for n in split)
@@ -213,8 +220,11 @@ class Runtime:
                 if num is None and offl:  # fused experts: the leading dim of every per-expert tensor
                     name, t = next(iter(offl.items()))
                     num = split[name].num_experts if name in split else t.shape[0]
+                if num is None and disk:
+                    num = next(iter(disk.values())).shape[0]
+                split.update({n: self.splits[f"{mod_name}.{n}"] for n in disk if f"{mod_name}.{n}" in self.splits})
                 mod._moe_offload_state = ExpertsState(self, offl, num or 0, split, layer_of(mod_name),
-                                                      quant=quantized.get(mod_name, {}))
+                                                      quant=quantized.get(mod_name, {}), disk=disk)
                 states[mod_name] = mod._moe_offload_state
             elif locals_ and isinstance(mod, nn.Embedding):
                 self._hook_embedding(mod, locals_)
@@ -227,6 +237,8 @@ class Runtime:
                 dense_groups.setdefault(group, []).extend(f"{rel}.{n}" if rel else n for n in locals_)
         for group, paths in dense_groups.items():
             self._hook_dense(group, modules[group], paths)
+        if self.disk is not None:   # dense and embedding tensors on disk: read while their module runs
+            self.disk.attach_dense(self, self.model, {n for n, m in modules.items() if is_experts_module(m)})
         if self.dequantizer is not None:   # after the dense hooks: a staged copy is dequantized, not the host one
             self.dequantizer.hook_linears(self.model, self._handles)
         unserved = sorted(set(self.splits) - served)
@@ -271,6 +283,7 @@ class Runtime:
         self.routes.clear()  # a call that raised leaves nothing behind for the next one
         self.routed.clear()
         self.counter.discard_pending()
+        self.disk_counter.discard_pending()
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs.get("inputs_embeds")
@@ -288,6 +301,7 @@ class Runtime:
         self.routes.clear()
         tokens, decode = getattr(self, "_tokens", 1), getattr(self, "_decode", None)
         self.counter.end_call(tokens, decode)
+        self.disk_counter.end_call(tokens, decode)
         if self.recorder is not None:
             routed = {layer: index.cpu() for layer, index in sorted(self.routed.items())}
             self.routed.clear()
