@@ -264,9 +264,8 @@ def bench_rows(folder, plan, device: torch.device, *, dtype, tokenizer, levels, 
     warm-up run (discarded) and `runs` measured runs of bench's own greedy loop (`bench._greedy`)."""
     import gc
     import math
-    import statistics
 
-    from .bench import _batch_prompts, _greedy, _percentile
+    from .bench import _batch_prompts, _greedy, measured_link_bytes, timing_fields
 
     tracked = reset_peak_rss()
     arm = AccelerateArm.load(folder, plan, device, dtype=dtype)
@@ -285,27 +284,13 @@ def bench_rows(folder, plan, device: torch.device, *, dtype, tokenizer, levels, 
                     if i > 0:
                         measured.append(run)
                     advance()
-            itl = [s for r in measured for s in r.itl_s]
-            itl_p50 = _percentile(itl, 50)
-            per_run_wall = [c * max_new_tokens / r.wall_s for r in measured]
-            steps = sum(len(r.decode_link_bytes) for r in measured)
-            link = sum(sum(r.decode_link_bytes) for r in measured) / (steps * c)
+            link = measured_link_bytes(c, measured)
             split = arm.per_token(c)
             assert math.isclose(link, split["disk_read_bytes_per_token"] + split["host_link_bytes_per_token"],
                                 rel_tol=1e-9, abs_tol=1e-6)
             by_place = arm.bytes_by_placement()
             row = {
-                "arm": "accelerate",
-                "concurrency": c,
-                "runs": len(measured),
-                "max_new_tokens": max_new_tokens,
-                "itl_samples": len(itl),
-                "itl_p50_ms": itl_p50 * 1e3,
-                "itl_p90_ms": _percentile(itl, 90) * 1e3,
-                "tok_s_itl": c / itl_p50,
-                "tok_s_wall": c * max_new_tokens * len(measured) / sum(r.wall_s for r in measured),
-                "ttft_ms": statistics.median(r.ttft_s for r in measured) * 1e3,
-                "spread_pct": (max(per_run_wall) - min(per_run_wall)) / statistics.median(per_run_wall) * 100,
+                **timing_fields("accelerate", c, measured, max_new_tokens),
                 "offloaded_bytes": arm.offloaded_bytes(),          # read back from hf_device_map
                 "link_bytes_per_token": link,                       # disk reads + host-link loads, measured
                 **split,

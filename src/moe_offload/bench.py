@@ -342,23 +342,13 @@ def _percentile(xs: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def _row(arm: Arm, c: int, runs: list[_Run], model, plan, *, prompts: list[str], same_prompt: bool,
-         max_new_tokens: int, link_gbps: float | None, model_name: str, budget_label: str) -> dict:
-    rt = model.moe_offload_runtime
+def timing_fields(arm_name: str, c: int, runs: list[_Run], max_new_tokens: int) -> dict:
+    """The timing columns of a row, one definition for every arm (see the README's metric definitions)."""
     itl = [s for r in runs for s in r.itl_s]
     itl_p50 = _percentile(itl, 50)
     per_run_wall = [c * max_new_tokens / r.wall_s for r in runs]
-    med = statistics.median(per_run_wall)
-    steps = sum(len(r.decode_link_bytes) for r in runs)
-    link = sum(sum(r.decode_link_bytes) for r in runs) / (steps * c)
-    if rt.device.type == "cuda":
-        device_bytes = torch.cuda.max_memory_allocated(rt.device)
-    else:
-        device_bytes = device_resident_bytes(model)
-    settings = applied_settings(model, plan, resident=arm.policy is None)
-    bf16_link = link_bytes_from_routing(plan, runs, c, bf16=True) if any(r.decode_routing for r in runs) else link
-    row = {
-        "arm": arm.name,
+    return {
+        "arm": arm_name,
         "concurrency": c,
         "runs": len(runs),
         "max_new_tokens": max_new_tokens,
@@ -368,7 +358,28 @@ def _row(arm: Arm, c: int, runs: list[_Run], model, plan, *, prompts: list[str],
         "tok_s_itl": c / itl_p50,
         "tok_s_wall": c * max_new_tokens * len(runs) / sum(r.wall_s for r in runs),
         "ttft_ms": statistics.median(r.ttft_s for r in runs) * 1e3,
-        "spread_pct": (max(per_run_wall) - min(per_run_wall)) / med * 100,
+        "spread_pct": (max(per_run_wall) - min(per_run_wall)) / statistics.median(per_run_wall) * 100,
+    }
+
+
+def measured_link_bytes(c: int, runs: list[_Run]) -> float:
+    """Mean bytes read from the offload tiers per decoded token over the measured runs' decode steps."""
+    steps = sum(len(r.decode_link_bytes) for r in runs)
+    return sum(sum(r.decode_link_bytes) for r in runs) / (steps * c)
+
+
+def _row(arm: Arm, c: int, runs: list[_Run], model, plan, *, prompts: list[str], same_prompt: bool,
+         max_new_tokens: int, link_gbps: float | None, model_name: str, budget_label: str) -> dict:
+    rt = model.moe_offload_runtime
+    link = measured_link_bytes(c, runs)
+    if rt.device.type == "cuda":
+        device_bytes = torch.cuda.max_memory_allocated(rt.device)
+    else:
+        device_bytes = device_resident_bytes(model)
+    settings = applied_settings(model, plan, resident=arm.policy is None)
+    bf16_link = link_bytes_from_routing(plan, runs, c, bf16=True) if any(r.decode_routing for r in runs) else link
+    row = {
+        **timing_fields(arm.name, c, runs, max_new_tokens),
         "offloaded_bytes": sum(settings["host_bytes_by_role"].values()),   # read back from the arena
         "link_bytes_per_token": link,
         "planned_link_bytes_per_token": plan.link_bytes_per_token(c),

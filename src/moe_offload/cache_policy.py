@@ -236,7 +236,31 @@ class LRUCache(ExpertCache):
         return victims if freed >= need else None
 
 
-class LFUCache(ExpertCache):
+class _ScoredCache(ExpertCache):
+    """A policy that evicts the lowest score first: every access updates the score (`_touch`), and a lazy
+    min-heap of (score..., key) entries (`_entry`) finds the victims; stale entries are skipped."""
+
+    _heap: list
+
+    def _entry(self, key):
+        raise NotImplementedError
+
+    def _touch(self, key) -> None:
+        raise NotImplementedError
+
+    def _on_hit(self, key):
+        self._touch(key)
+        heapq.heappush(self._heap, self._entry(key))
+        self._heap = self._compact(self._heap, self._entry)
+
+    def _on_miss(self, key):
+        self._touch(key)
+
+    def _on_admit(self, key):
+        heapq.heappush(self._heap, self._entry(key))
+
+
+class LFUCache(_ScoredCache):
     """Evict the expert with the fewest accesses so far (counts survive eviction); ties: least recently used."""
 
     name = "lfu"
@@ -253,17 +277,6 @@ class LFUCache(ExpertCache):
     def _touch(self, key):
         self._count[key] = self._count.get(key, 0) + 1
         self._last[key] = self.clock
-
-    def _on_hit(self, key):
-        self._touch(key)
-        heapq.heappush(self._heap, self._entry(key))
-        self._heap = self._compact(self._heap, self._entry)
-
-    def _on_miss(self, key):
-        self._touch(key)
-
-    def _on_admit(self, key):
-        heapq.heappush(self._heap, self._entry(key))
 
     def _victims(self, key, nbytes, need):
         found = self._heap_victims(self._heap, self._entry, need)
@@ -333,7 +346,7 @@ class BeladyCache(ExpertCache):
 HEAT_HALF_LIFE = 24.0  # sweeps (decode steps); chosen on training-domain routing, see the README
 
 
-class HeatCache(ExpertCache):
+class HeatCache(_ScoredCache):
     """Evict the coldest expert; admit a newcomer only when it is hotter than every expert it would evict.
 
     An expert's heat is its use count with each use decaying by half every `half_life` sweeps:
@@ -365,17 +378,6 @@ class HeatCache(ExpertCache):
         else:
             hi, lo = (h, x) if h > x else (x, h)
             self._heat[key] = hi + math.log2(1.0 + 2.0 ** (lo - hi))
-
-    def _on_hit(self, key):
-        self._touch(key)
-        heapq.heappush(self._heap, self._entry(key))
-        self._heap = self._compact(self._heap, self._entry)
-
-    def _on_miss(self, key):
-        self._touch(key)
-
-    def _on_admit(self, key):
-        heapq.heappush(self._heap, self._entry(key))
 
     def _victims(self, key, nbytes, need):
         found = self._heap_victims(self._heap, self._entry, need)
