@@ -42,6 +42,7 @@ bench: setup model
 	$(BIN)/python benchmarks/routing_bench.py
 	$(BIN)/python benchmarks/quant_bench.py
 	$(BIN)/python benchmarks/cache_bench.py
+	$(BIN)/python benchmarks/disk_bench.py
 
 clean:
 	rm -rf $(VENV) build demo-out

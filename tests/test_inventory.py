@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -472,3 +473,18 @@ def test_a_live_module_real_or_meta_plans_like_its_config(write_config):
         p = mo.plan(module, offload_gb=4096 / 2**30)
         assert p.tiers == expected.tiers and p.total_bytes == expected.total_bytes
         assert p.total_params == expected.total_params == sum(x.numel() for x in real.parameters())
+
+
+@pytest.mark.parametrize("quantization, shown", [
+    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),          # was planned as unquantized bf16
+    ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [0, 128]},
+     "weight_block_size [0, 128]"),                                        # was a ZeroDivisionError
+    ({"quant_method": "fp8", "fmt": "e5m2", "activation_scheme": "dynamic"}, "fmt 'e5m2'"),
+])
+def test_a_quantization_the_planner_cannot_size_is_an_error_not_a_guess(write_config, quantization, shown):
+    # Planning from config.json alone reads the same quantization_config the loader reads (quant.spec_from_config):
+    # a method or block size it cannot size is a user error, never a plan at another precision.
+    cfg = _fp8_deepseek()
+    cfg["quantization_config"] = quantization
+    with pytest.raises(CheckpointError, match=re.escape(shown)):
+        inventory(write_config(cfg))

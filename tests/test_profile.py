@@ -215,3 +215,34 @@ def test_measured_link_bytes_equal_replay_of_the_generations_own_trace(models, p
         assert len([d for d in counter.decode if d]) == len(trace.decode_rows) == 2 * 4
         assert measured > 0, arm
         assert replay(plan, trace).link_bytes_per_token == measured, arm
+
+
+@pytest.mark.exact   # the offloaded model must route exactly as the resident one
+def test_cli_generate_one_token_longer_agrees_with_replay_of_the_profile(models, tmp_path, capsys):
+    # profile --max-new-tokens N runs its N-th token through the model too (N decode rows); generate N runs N - 1
+    # decode steps. So `generate --max-new-tokens N+1` is the generation whose trace `profile N` writes (README,
+    # profile), and under a frequency subset placement (routing decides the bytes) the two must agree exactly.
+    folder = models["qwen3_moe"]
+    prompt = PROMPTS[0]
+    (tmp_path / "p.txt").write_text(prompt + "\n")
+    trace = tmp_path / "t.jsonl"
+    code, _, err = _run(capsys, "profile", folder, "--out", trace, "--prompts", tmp_path / "p.txt",
+                        "--max-new-tokens", NEW, "--ignore-eos", "--device", "cpu", "--json")
+    assert code == 0, err
+    assert len(read_trace(trace).decode_rows) == NEW
+    plan0 = mo.plan(folder)
+    routed = sum(t.bytes for t in plan0.tensors if t.role == "routed_expert")
+    embed = sum(t.bytes for t in plan0.tensors if t.role == "embedding")
+    placement = ["--offload-gb", repr((embed + routed // 2) / GiB), "--policy", "frequency", "--stats", trace]
+    code, out, err = _run(capsys, "replay", folder, "--trace", trace, *placement, "--json")
+    assert code == 0, err
+    replayed = json.loads(out)
+    assert replayed["tokens"] == NEW
+    measured = {}
+    for new in (NEW, NEW + 1):
+        code, out, err = _run(capsys, "generate", folder, "--prompt", prompt, "--max-new-tokens", new, "--ignore-eos",
+                              "--device", "cpu", *placement, "--json")
+        assert code == 0, err
+        measured[new] = json.loads(out)["link_bytes_per_token"]
+    assert measured[NEW + 1] == replayed["link_bytes_per_token"] > 0, (measured, replayed)
+    print("H15DEBUG", measured, replayed["link_bytes_per_token"])

@@ -24,8 +24,8 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: "Plan | st
          cache_policy: str | None = None, **budget):
     """Build a model from a local checkpoint straight into its plan; returns (model, plan).
 
-    Budget options as for `plan` (offload_gb, device_memory_gb, reserve_gb, policy,
-    offload_params, batch), or `plan=` a Plan / saved plan JSON. The model is an ordinary
+    Budget options as for `plan` (offload_gb, device_memory_gb, reserve_gb, host_memory_gb,
+    cpu_only, policy, offload_params, batch), or `plan=` a Plan / saved plan JSON. The model is an ordinary
     transformers model (`model.generate(...)` works) with a `moe_offload_runtime` attribute
     that says which mechanism is used and counts the bytes read over the link.
     `cache_gb` (with `cache_policy`): a device-side cache of that many GiB for the offloaded routed
@@ -61,7 +61,7 @@ def audit(model, plan: Plan):
 def plan(source, *, offload_gb: float | None = None, device_memory_gb: float | None = None,
          reserve_gb: float | None = None, policy: str = "sparse-first",
          offload_params: str | Sequence[str] | None = None, dtype: str | None = None, batch: int = 1,
-         stats=None) -> Plan:
+         stats=None, host_memory_gb: float | None = None, cpu_only: bool = False) -> Plan:
     """Plan where every weight of a model lives.
 
     `source`: a model folder (its safetensors headers give real dtypes and bytes), a
@@ -69,13 +69,17 @@ def plan(source, *, offload_gb: float | None = None, device_memory_gb: float | N
     `offload_params`: one selector (a string) or several.
     `stats` (with policy="frequency"): layer -> decode-token picks per expert, e.g.
     `moe_offload.traces.expert_counts(moe_offload.traces.read_trace(path))`.
+    `host_memory_gb`: the host tier's GiB; what leaves the device beyond it is planned on `disk`.
+    `cpu_only`: plan for a machine whose device is host memory: `device_memory_gb` alone then bounds
+    the RAM the weights hold and the rest is on disk (the CLI sets it from the device it resolves).
     """
     from . import planner
     from .inventory import inventory
 
     inv = inventory(source, dtype=dtype)
     return planner.plan(inv, offload_gb=offload_gb, device_memory_gb=device_memory_gb, reserve_gb=reserve_gb,
-                        policy=policy, offload_params=offload_params, batch=batch, stats=stats)
+                        policy=policy, offload_params=offload_params, batch=batch, stats=stats,
+                        host_memory_gb=host_memory_gb, cpu_only=cpu_only)
 
 
 __all__ = [

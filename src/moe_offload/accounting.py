@@ -7,17 +7,20 @@ count the same thing. At batch 1 a decode token reads, from the tier where each 
     one row of every offloaded lookup table (the input embedding)
     of each fused routed-expert tensor [E, ...]: bytes // E for every expert it picked that is offloaded
 
-Each byte is read from the tier it lies in: a tensor on disk is read from the checkpoint (dense ones
-in full, lookup tables by the row), and an expert of a tensor split by expert from the tier of that
-expert (host_ids on the host, disk_ids on disk). A device-side cache hit reads nothing from either.
-
 so a token's bytes are `dense + sum over layers of expert_bytes[layer][picked]`. The expected
 value follows from the probability that a token reads each expert: k/E under uniform routing,
 or measured frequencies; at batch b a step reads an expert when any of its b tokens picks it
 (1 - (1 - p)^b, tokens taken as independent) and the step's bytes are shared by b tokens.
 
+Each byte is read from the tier it lies in, and counted there: a tensor on disk is read from the
+checkpoint (dense ones in full, lookup tables by the row), and each expert of a tensor split by
+expert from its own tier (PlannedTensor: host_ids are off the device, in the tensor's tier; a disk
+tensor's disk_expert_ids are the part of them on disk). A device-side cache hit reads nothing from
+either tier.
+
 This module takes PlannedTensor-like objects (name, shape, bytes, layer, component, role, tier,
-experts, top_k, offloaded_bytes, host_ids, disk_ids) and never imports the planner: the planner imports it.
+experts, top_k, offloaded_bytes, host_ids, optionally disk_expert_ids) and never imports the planner: the
+planner imports it.
 """
 
 from __future__ import annotations
@@ -48,19 +51,23 @@ class TensorLike(Protocol):
     @property
     def host_ids(self) -> tuple[int, ...]: ...
 
-    @property
-    def disk_ids(self) -> tuple[int, ...]: ...
+    # Optional (absent: none): the subset of host_ids on disk when a tensor's offloaded experts span host and disk.
+    # disk_expert_ids: tuple[int, ...]
 
 
 def expert_ids_by_tier(t: TensorLike) -> dict[str, tuple[int, ...]]:
-    """{tier: the expert ids of routed tensor t that lie there}, for the offloaded tiers holding any of them:
-    its host_ids and disk_ids when split by expert, or all E in its tier when it went whole."""
+    """{tier: the expert ids of routed tensor t that lie there}, for the offloaded tiers holding any of them.
+
+    host_ids are the experts off the device (all E for a tensor that went whole), in the tensor's tier; a disk
+    tensor's disk_expert_ids, when given, are the part of them on disk and the rest are in host memory."""
     if t.tier not in (HOST, DISK) or t.role != _ROUTED or not t.experts:
         return {}
-    host, disk = tuple(t.host_ids), tuple(getattr(t, "disk_ids", ()))
-    if not host and not disk:
-        return {t.tier: tuple(range(t.experts))}
-    return {tier: ids for tier, ids in ((HOST, host), (DISK, disk)) if ids}
+    off = tuple(t.host_ids) or tuple(range(t.experts))
+    if t.tier == HOST:
+        return {HOST: off}
+    disk = set(getattr(t, "disk_expert_ids", ()) or off)
+    split = {HOST: tuple(e for e in off if e not in disk), DISK: tuple(e for e in off if e in disk)}
+    return {tier: ids for tier, ids in split.items() if ids}
 
 
 def expert_ids_offloaded(t: TensorLike) -> tuple[int, ...]:

@@ -163,12 +163,14 @@ class _RuntimeMeter:
 
     def __init__(self, model):
         self.counter = model.moe_offload_runtime.counter
+        self.disk = model.moe_offload_runtime.disk_counter
 
     def before_step(self) -> None:
         pass
 
     def step(self) -> int:
-        return self.counter.calls[-1][1]                      # this forward's bytes from the host tier
+        # this forward's bytes from the host tier and the disk tier (disk_tier.py)
+        return self.counter.calls[-1][1] + self.disk.calls[-1][1]
 
 
 def _greedy(model, enc, max_new_tokens: int, device: torch.device, meter=None) -> _Run:
@@ -221,6 +223,8 @@ def _measure(model, enc, runs: int, max_new_tokens: int, device: torch.device, d
         for i in range(runs + 1):
             describe("warm-up" if i == 0 else f"run {i}/{runs}")
             model.moe_offload_runtime.counter.reset()
+            if i <= 1:   # the disk counter keeps every measured run (the warm-up's steps dropped)
+                model.moe_offload_runtime.disk_counter.reset()
             cache = model.moe_offload_runtime.cache
             if cache is not None:
                 cache.reset()
@@ -382,6 +386,10 @@ def _row(arm: Arm, c: int, runs: list[_Run], model, plan, *, prompts: list[str],
         **timing_fields(arm.name, c, runs, max_new_tokens),
         "offloaded_bytes": sum(settings["host_bytes_by_role"].values()),   # read back from the arena
         "link_bytes_per_token": link,
+        # of which read from the checkpoint by the disk tier (disk_tier.py), the rest over the host link
+        "disk_read_bytes_per_token": rt.disk_counter.decode_bytes_per_token(c),
+        "host_link_bytes_per_token": link - rt.disk_counter.decode_bytes_per_token(c),
+        "disk_staging_bytes": rt.disk.staging_bytes if rt.disk is not None else 0,
         "planned_link_bytes_per_token": plan.link_bytes_per_token(c),
         # the same placement and routing with every offloaded tensor at 2 bytes per element (quantized: what
         # bf16 would have read); the measured figure itself when nothing offloaded differs from 2 bytes
@@ -450,7 +458,8 @@ def _resident_skip(arm: Arm, model_dir: Path, dtype, budget: dict, device: torch
 def run_bench(model_dir, *, arms: Sequence[Arm] | str = DEFAULT_ARMS,
               concurrency: Sequence[int] | str = DEFAULT_CONCURRENCY, runs: int = 3, max_new_tokens: int = 32,
               offload_gb: float | None = None, device_memory_gb: float | None = None,
-              reserve_gb: float | None = None, dtype: str | None = None, device=None, backend: str | None = None,
+              reserve_gb: float | None = None, host_memory_gb: float | None = None, cpu_only: bool = False,
+              dtype: str | None = None, device=None, backend: str | None = None,
               prompts: Sequence[str] | None = None,
               same_prompt: bool = False, link_gbps: float | None = None, threads: int | None = None,
               cache_gb: float | None = None, cache_policy: str | None = None,
@@ -461,6 +470,8 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str = DEFAULT_ARMS,
     (default: stderr) and have no row. `threads`: CPU threads torch uses while measuring
     (restored afterwards); on a small shared CPU one thread gives much steadier times.
     `cache_gb`, `cache_policy`: one device-side expert cache, the same for every arm (as `load`).
+    `host_memory_gb`, `cpu_only`: three-tier planning, as for `moe_offload.plan` (the CLI sets cpu_only from
+    the device it resolves).
     """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -496,7 +507,8 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str = DEFAULT_ARMS,
     folder = Path(model_dir)
     if not folder.is_dir():
         raise MoeOffloadError(f"{folder} is not a model folder: bench needs config.json, safetensors and a tokenizer")
-    budget = dict(offload_gb=offload_gb, device_memory_gb=device_memory_gb, reserve_gb=reserve_gb)
+    budget = dict(offload_gb=offload_gb, device_memory_gb=device_memory_gb, reserve_gb=reserve_gb,
+                  host_memory_gb=host_memory_gb, cpu_only=cpu_only)
     cache_bytes, policy = cache_options(cache_gb, cache_policy)                          # before anything loads
     reserve_note(cache_bytes, policy, device_memory_gb, reserve_gb)
     if offload_gb is None and device_memory_gb is None and any(a.policy for a in arms):
@@ -529,7 +541,9 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str = DEFAULT_ARMS,
         raise MoeOffloadError("no arm can run at this budget (reasons above): add an arm that offloads, e.g. "
                               "--arms declaration,sparse-first")
     tokenizer = _load_tokenizer(folder)
-    label = _budget_label(offload_gb, device_memory_gb, reserve_gb)
+    label = _budget_label(offload_gb, device_memory_gb, reserve_gb) + (
+        f", host memory {host_memory_gb:g} GiB (the rest on disk)" if host_memory_gb is not None else
+        ", no host tier (cpu: the rest on disk)" if cpu_only and device_memory_gb is not None else "")
 
     rows: list[dict] = []
     saved_threads = torch.get_num_threads()

@@ -41,6 +41,10 @@ def _budget_options(p: argparse.ArgumentParser, *, policy_options: bool = True, 
                    help="the accelerator has X GiB: offload the least that makes weights + reserve fit")
     g.add_argument("--reserve-gb", type=float, metavar="X",
                    help=f"with --device-memory: room kept for activations and KV cache (default {DEFAULT_RESERVE_GB})")
+    g.add_argument("--host-memory", type=float, metavar="X",
+                   help="the host has X GiB for offloaded weights: what leaves the device beyond it is read from the "
+                        "checkpoint on disk, lowest access densities first (on a CPU-only machine --device-memory "
+                        "alone already puts what does not fit in RAM on disk)")
     g.add_argument("--policy", default="sparse-first" if policy_options else None,
                    choices=["sparse-first", "declaration", "frequency", *(["oracle"] if oracle else [])],
                    help=shown("sparse-first: by access density, routed experts before dense, globally (default); "
@@ -59,9 +63,36 @@ def _budget_options(p: argparse.ArgumentParser, *, policy_options: bool = True, 
                         "config's own and its quantization_config)")
 
 
-def _budget_kwargs(args) -> dict:
+def _budget_kwargs(args, *, cpu_only: bool = False) -> dict:
+    """cpu_only: the plan is for a machine whose device is host memory (`_cpu_only`); the planner stays pure."""
     return dict(offload_gb=args.offload_gb, device_memory_gb=args.device_memory, reserve_gb=args.reserve_gb,
-                policy=args.policy, offload_params=args.offload_params, stats=_stats(args.stats))
+                policy=args.policy, offload_params=args.offload_params, stats=_stats(args.stats),
+                host_memory_gb=args.host_memory, cpu_only=cpu_only)
+
+
+def _cpu_only(device: str | None, *, check: bool = False) -> bool:
+    """Whether the device a command plans for is the CPU (then --device-memory bounds RAM and the rest goes to
+    disk): --device when given, else this machine's (the accelerator when there is one). `check`: the named
+    device must exist here (commands that run the model); plan and replay may name another machine's."""
+    from .storage import accelerator_available, resolve_device
+
+    if check:
+        return resolve_device(device).type == "cpu"
+    if device is None:
+        return not accelerator_available()
+    import torch
+
+    try:
+        return torch.device(device).type == "cpu"
+    except (RuntimeError, TypeError):
+        raise MoeOffloadError(f"--device {device!r} is not a device name: use cpu, cuda, cuda:1, xpu, ...") from None
+
+
+def _device_option(p: argparse.ArgumentParser) -> None:
+    """--device for commands that plan without running (plan, replay)."""
+    p.add_argument("--device", help="the device the plan is for: cpu (no accelerator: --device-memory then bounds RAM "
+                                    "and the rest is on disk), cuda, ... (default: this machine's accelerator, else "
+                                    "cpu)")
 
 
 def _stats(paths, check=None) -> dict | None:
@@ -90,11 +121,38 @@ def _model_path(value: str) -> Path:
     return path
 
 
+def _read_plan_of(plan_path: str, model_arg: str, path: Path):
+    """--plan PLAN.json, checked to be a plan of MODEL: the same tensor names both ways, so a plan of another
+    model (or of another depth of the same family) is an error, not a placement silently applied to the wrong
+    tensors."""
+    from .errors import PlanMismatchError
+    from .inventory import inventory
+    from .planner import Plan
+
+    try:
+        plan = Plan.from_json(Path(plan_path).read_text())
+    except OSError as exc:
+        raise MoeOffloadError(f"cannot read --plan {plan_path}: {exc.strerror}; save one with `moe-offload "
+                              "plan MODEL --save PLAN.json`") from exc
+    inv = inventory(path)
+    names = {r.name for r in inv.records}
+    planned = {t.name for t in plan.tensors}
+    stray, missing = sorted(planned - names), sorted(names - planned)
+    if plan.model_type != inv.model_type or stray or missing:
+        why = (f"it is a {plan.model_type} plan" if plan.model_type != inv.model_type else
+               f"{len(stray)} of its tensors (e.g. {stray[0]}) are not in the model" if stray else
+               f"it places none of {len(missing)} tensors of the model (e.g. {missing[0]})")
+        raise PlanMismatchError(f"--plan {plan_path} is not a plan of {path}: {why}; plan this model with "
+                              f"`moe-offload plan {model_arg} --save PLAN.json`")
+    return plan
+
+
 def cmd_plan(args) -> int:
     from . import plan as make_plan
     from .report import print_plan
 
-    p = make_plan(_model_path(args.model), dtype=args.dtype, batch=args.batch, **_budget_kwargs(args))
+    p = make_plan(_model_path(args.model), dtype=args.dtype, batch=args.batch,
+                  **_budget_kwargs(args, cpu_only=_cpu_only(args.device)))
     if args.save:
         _write_atomic(Path(args.save), p.to_json(indent=1))
     if args.json:
@@ -141,7 +199,8 @@ def load_for_cli(args, **extra):
     read_config(folder)
     tokenizer = load_tokenizer(folder)
     model, plan = load(folder, device=args.device, backend=args.backend, dtype=args.dtype,
-                       progress=not getattr(args, "json", False) and sys.stderr.isatty(), **_budget_kwargs(args),
+                       progress=not getattr(args, "json", False) and sys.stderr.isatty(),
+                       **_budget_kwargs(args, cpu_only=_cpu_only(args.device, check=True)),
                        cache_gb=args.cache_gb, cache_policy=args.cache_policy, **extra)
     return model, plan, tokenizer
 
@@ -171,6 +230,7 @@ def cmd_generate(args) -> int:
         # (min_new_tokens would instead forbid the EOS token and so change the text).
         kwargs["eos_token_id"] = []
     runtime.counter.reset()
+    runtime.disk_counter.reset()
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(**enc, **kwargs)
@@ -185,7 +245,11 @@ def cmd_generate(args) -> int:
         "mechanism": runtime.mechanism,
         "offloaded_bytes": plan.offloaded_bytes,
         "host_bytes": runtime.host_bytes,
-        "link_bytes_per_token": runtime.counter.decode_bytes_per_token(),
+        # host link + disk tier; disk_read_bytes_per_token: of which read from the checkpoint (disk_tier.py)
+        "link_bytes_per_token": runtime.counter.decode_bytes_per_token() + runtime.disk_counter.decode_bytes_per_token(),
+        "host_link_bytes_per_token": runtime.counter.decode_bytes_per_token(),
+        "disk_read_bytes_per_token": runtime.disk_counter.decode_bytes_per_token(),
+        "disk_read_mechanism": runtime.disk.mechanism if runtime.disk is not None else None,
         "planned_link_bytes_per_token": plan.link_bytes_per_token(1),
         "tokens_per_s": len(new) / elapsed if elapsed > 0 else None,
         **cache_stats(runtime.cache),   # cache_policy, cache_bytes, cache_hits, cache_misses, ...: decode steps
@@ -200,6 +264,10 @@ def cmd_generate(args) -> int:
     print(f"-- offloaded {format_bytes(plan.offloaded_bytes)} (host memory used {format_bytes(runtime.host_bytes)}); "
           f"link bytes per decoded token: measured {format_bytes(result['link_bytes_per_token'])}, "
           f"planned {format_bytes(result['planned_link_bytes_per_token'])}", file=sys.stderr)
+    if runtime.disk is not None:
+        print(f"-- of which read from the checkpoint by the disk tier: "
+              f"{format_bytes(result['disk_read_bytes_per_token'])} per decoded token, "
+              f"{format_bytes(runtime.disk.bytes_read)} in {runtime.disk.read_calls} reads in all", file=sys.stderr)
     if runtime.cache is not None:
         print(f"-- device cache {result['cache_policy']} of {format_bytes(result['cache_bytes'])} "
               f"({format_bytes(result['cache_device_bytes'])} carved): {result['cache_hits']} hits, "
@@ -229,6 +297,7 @@ def cmd_bench(args) -> int:
     prompts = read_prompts(args.prompts) if args.prompts else None
     rows = run_bench(folder, arms=arms, concurrency=levels, runs=args.runs, max_new_tokens=args.max_new_tokens,
                      offload_gb=args.offload_gb, device_memory_gb=args.device_memory, reserve_gb=args.reserve_gb,
+                     host_memory_gb=args.host_memory, cpu_only=_cpu_only(args.device, check=True),
                      dtype=args.dtype, device=args.device, backend=args.backend, prompts=prompts,
                      same_prompt=args.same_prompt, link_gbps=args.link_gbps, threads=args.threads,
                      cache_gb=args.cache_gb, cache_policy=args.cache_policy, progress=sys.stderr.isatty())
@@ -258,25 +327,23 @@ def cmd_replay(args) -> int:
     from . import planner
     from .frequency import routed_layers
     from .inventory import inventory
-    from .planner import Plan, format_bytes
+    from .planner import format_bytes
     from .replay import replay
     from .traces import check_trace_matches, expert_counts, read_trace
 
     path = _model_path(args.model)
     trace = read_trace(args.trace)
-    budget = dict(offload_gb=args.offload_gb, device_memory_gb=args.device_memory, reserve_gb=args.reserve_gb)
+    budget = dict(offload_gb=args.offload_gb, device_memory_gb=args.device_memory, reserve_gb=args.reserve_gb,
+                  host_memory_gb=args.host_memory)
     if args.plan:
         given = [opt for opt, v in (("--offload-gb", args.offload_gb), ("--device-memory", args.device_memory),
-                                    ("--reserve-gb", args.reserve_gb), ("--offload-params", args.offload_params),
-                                    ("--stats", args.stats), ("--dtype", args.dtype)) if v is not None]
+                                    ("--reserve-gb", args.reserve_gb), ("--host-memory", args.host_memory),
+                                    ("--offload-params", args.offload_params), ("--stats", args.stats),
+                                    ("--dtype", args.dtype), ("--device", args.device)) if v is not None]
         if given or args.policy != "sparse-first":
             raise MoeOffloadError(f"--plan and {', '.join(given) or '--policy'} both decide the placement: give "
                                   "--plan alone, or budget options without it")
-        try:
-            plan = Plan.from_json(Path(args.plan).read_text())
-        except OSError as exc:
-            raise MoeOffloadError(f"cannot read --plan {args.plan}: {exc.strerror}; save one with `moe-offload "
-                                  "plan MODEL --save PLAN.json`") from exc
+        plan = _read_plan_of(args.plan, args.model, path)
     else:
         inv = inventory(path, dtype=args.dtype)
         layers = routed_layers(inv)
@@ -292,7 +359,8 @@ def cmd_replay(args) -> int:
                 raise MoeOffloadError("--policy oracle takes its statistics from --trace itself: drop --stats, or "
                                       "use --policy frequency --stats TRACE")
             policy, stats = "frequency", expert_counts(trace)
-        plan = planner.plan(inv, policy=policy, offload_params=args.offload_params, stats=stats, **budget)
+        plan = planner.plan(inv, policy=policy, offload_params=args.offload_params, stats=stats,
+                            cpu_only=_cpu_only(args.device), **budget)
     result = replay(plan, trace, cache_gb=args.cache_gb, cache_policy=args.cache_policy,
                     policy="oracle" if args.policy == "oracle" else None)
     if args.json:
@@ -305,6 +373,9 @@ def cmd_replay(args) -> int:
     print(f"link bytes per decoded token: {format_bytes(result.link_bytes_per_token)} "
           f"({result.expert_reads} expert reads over the link; the plan expected "
           f"{format_bytes(plan.link_bytes_per_token(1))} per token)")
+    if plan.disk_bytes:
+        print(f"of which from host memory {format_bytes(result.host_link_bytes_per_token)}, from disk "
+              f"{format_bytes(result.disk_read_bytes_per_token)} per token")
     return 0
 
 
@@ -328,31 +399,20 @@ def cmd_profile(args) -> int:
 def cmd_export(args) -> int:
     from . import plan as make_plan
     from .export import LABELS, export
-    from .inventory import inventory, read_config
-    from .planner import Plan, format_bytes
+    from .inventory import read_config
+    from .planner import format_bytes
 
     path = _model_path(args.model)
     config = read_config(path)
     if args.plan:
         given = [opt for opt, v in (("--offload-gb", args.offload_gb), ("--device-memory", args.device_memory),
-                                    ("--reserve-gb", args.reserve_gb), ("--offload-params", args.offload_params),
-                                    ("--stats", args.stats), ("--dtype", args.dtype), ("--batch", args.batch))
-                 if v is not None]
+                                    ("--reserve-gb", args.reserve_gb), ("--host-memory", args.host_memory),
+                                    ("--offload-params", args.offload_params), ("--stats", args.stats),
+                                    ("--dtype", args.dtype), ("--batch", args.batch)) if v is not None]
         if given or args.policy != "sparse-first":
             raise MoeOffloadError(f"--plan and {', '.join(given) or '--policy'} both decide the placement: give "
                                   "--plan alone, or budget options without it")
-        try:
-            plan = Plan.from_json(Path(args.plan).read_text())
-        except OSError as exc:
-            raise MoeOffloadError(f"cannot read --plan {args.plan}: {exc.strerror}; save one with `moe-offload "
-                                  "plan MODEL --save PLAN.json`") from exc
-        names = {r.name for r in inventory(path).records}
-        stray = [t.name for t in plan.tensors if t.name not in names]
-        if plan.model_type != config.model_type or stray:
-            why = (f"it is a {plan.model_type} plan" if plan.model_type != config.model_type else
-                   f"{len(stray)} of its tensors (e.g. {stray[0]}) are not in the model")
-            raise MoeOffloadError(f"--plan {args.plan} is not a plan of {path}: {why}; plan this model with "
-                                  f"`moe-offload plan {args.model} --save PLAN.json`")
+        plan = _read_plan_of(args.plan, args.model, path)
     else:
         plan = make_plan(path, dtype=args.dtype, batch=args.batch or 1, **_budget_kwargs(args))
     text = getattr(config, "text_config", None) or config
@@ -434,6 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as one JSON document")
     p.add_argument("--tensors", action="store_true", help="also list every tensor with its role, density and tier")
     p.add_argument("--save", metavar="PLAN.json", help="save the plan (load it with `moe_offload.load(plan=...)`)")
+    _device_option(p)
     p.set_defaults(func=cmd_plan)
 
     g = sub.add_parser("generate", help="greedy decoding with the model loaded into its plan")
@@ -479,6 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--plan", metavar="PLAN.json", help="replay this saved plan instead of planning from the options")
     r.add_argument("--cache-gb", type=float, metavar="X", help="device-side expert cache of X GiB (default: none)")
     r.add_argument("--cache-policy", metavar="P", help="lru, lfu, ..., or belady (the offline optimum)")
+    _device_option(r)
     r.add_argument("--json", action="store_true", help="print the result as one JSON document")
     r.set_defaults(func=cmd_replay)
 
@@ -528,7 +590,7 @@ def build_parser() -> argparse.ArgumentParser:
 # The library's errors name Python arguments (`offload_gb=5`, `offload_params`); here the user typed flags.
 _FLAGS = {"offload_gb": "--offload-gb", "device_memory_gb": "--device-memory", "reserve_gb": "--reserve-gb",
           "offload_params": "--offload-params", "batch": "--batch", "policy": "--policy", "dtype": "--dtype",
-          "cache_gb": "--cache-gb", "cache_policy": "--cache-policy"}
+          "cache_gb": "--cache-gb", "cache_policy": "--cache-policy", "host_memory_gb": "--host-memory"}
 
 
 def _as_flags(message: str) -> str:

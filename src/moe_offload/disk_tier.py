@@ -23,6 +23,7 @@ CheckpointError at the read (disk.py).
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -40,6 +41,11 @@ if TYPE_CHECKING:
     from .planner import Plan
     from .runtime import Runtime
     from .storage import ExpertSplit
+
+
+# Selected experts' reads issued at once (one per expert and file): a disk serves a few requests in flight faster
+# than one at a time.
+READS_IN_FLIGHT = 4
 
 
 @dataclass(frozen=True)
@@ -70,11 +76,15 @@ class DiskTensor:
         span = reader.span(slot.key)
         return slot.is_whole and slot.transpose is None and span.dtype == self.dtype and span.shape == self.shape
 
-    def read_rows(self, ids: Sequence[int], out: torch.Tensor) -> None:
-        """out[j] = this tensor's row ids[j] (expert or table row), for a contiguous CPU `out` [len(ids), ...]."""
+    def read_rows(self, ids: Sequence[int], out: torch.Tensor, pool: ThreadPoolExecutor | None = None) -> None:
+        """out[j] = this tensor's row ids[j] (expert or table row), for a contiguous CPU `out` [len(ids), ...].
+
+        `pool`: the selected experts' reads (one per expert and file) are issued on it concurrently: the disk
+        serves several requests in flight faster than one at a time (buffered reads; O_DIRECT ones share their
+        reader's bounce buffer and so run in turn)."""
         ids = [int(e) for e in ids]
         pos = {e: j for j, e in enumerate(ids)}
-        batched: dict[int, tuple[SafetensorsReader, list[str], list[torch.Tensor]]] = {}
+        batched: dict[tuple[int, int], tuple[SafetensorsReader, list[str], list[torch.Tensor]]] = {}
         for reader, slot in self.pieces:
             if slot.expert is not None:                  # one checkpoint tensor per expert
                 j = pos.get(slot.expert)
@@ -82,7 +92,7 @@ class DiskTensor:
                     continue
                 dst = _part(out[j], slot)
                 if _direct(reader, slot, dst):           # read straight into its place, coalesced per file
-                    entry = batched.setdefault(id(reader), (reader, [], []))
+                    entry = batched.setdefault((id(reader), j), (reader, [], []))
                     entry[1].append(slot.key)
                     entry[2].append(dst)
                 else:
@@ -101,8 +111,13 @@ class DiskTensor:
                     reader.read_experts(slot.key, ids, out=dst)
                 else:
                     _convert_into(dst, reader.read_experts(slot.key, ids), slot, leading=True)
-        for reader, keys, outs in batched.values():
-            reader.read_tensors(keys, outs)
+        jobs = list(batched.values())
+        if pool is not None and len(jobs) > 1:
+            for done in [pool.submit(reader.read_tensors, keys, outs) for reader, keys, outs in jobs]:
+                done.result()           # re-raises a read's CheckpointError here
+        else:
+            for reader, keys, outs in jobs:
+                reader.read_tensors(keys, outs)
 
     def read_whole(self, out: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(self.shape, dtype=self.dtype) if out is None else out
@@ -156,10 +171,11 @@ class DiskTier:
         # buffer per tensor sized for all its E experts (exact, pinned in place: storage.HostArena).
         self._arena = HostArena(device, want_uva=False) if device.type != "cpu" else None
         self._staging: dict[tuple, torch.Tensor] = {}
+        self._pool = ThreadPoolExecutor(max_workers=READS_IN_FLIGHT, thread_name_prefix="moe-offload-disk-experts")
 
     @classmethod
     def build(cls, folder: Path, plan: "Plan", slots: dict[str, Slot], device: torch.device,
-              quant: dict | None = None, module_class: dict[str, str] | None = None) -> "DiskTier | None":
+              quant: dict | None = None, tied=()) -> "DiskTier | None":
         from .planner import Tier
 
         on_disk = {t.name: t for t in plan.tensors if t.tier == Tier.DISK}
@@ -170,6 +186,19 @@ class DiskTier:
             raise MoeOffloadError(f"the plan puts {len(quantized)} quantized tensor(s) on disk (first: "
                                   f"{quantized[0]}); the disk tier reads unquantized checkpoints only so far: "
                                   "plan with --host-memory large enough for them")
+        shared = sorted({n for pair in tied for n in pair} & set(on_disk))
+        if shared:
+            raise MoeOffloadError(f"the plan puts {shared[0]} on disk, but it is tied to another tensor (a tied "
+                                  "embedding and LM head); the disk tier reads untied tensors only so far: plan it on "
+                                  "the host or device (e.g. --offload-params experts)")
+        spanning = [n for n, t in on_disk.items()
+                    if getattr(t, "disk_expert_ids", ()) and set(t.disk_expert_ids) != set(t.host_ids)]
+        if spanning:
+            t = on_disk[spanning[0]]
+            raise MoeOffloadError(f"the plan puts experts of {t.name} in host memory and others on disk (disk: "
+                                  f"{list(t.disk_expert_ids)[:8]}, off the device: {list(t.host_ids)[:8]}); one "
+                                  "tensor split across three tiers is not loadable yet: plan with --host-memory "
+                                  "that holds whole tensors, or put all of its offloaded experts on one tier")
         by_key, readers = checkpoint_readers(folder)
         try:
             pieces: dict[str, list] = {name: [] for name in on_disk}
@@ -196,7 +225,7 @@ class DiskTier:
     @property
     def mechanism(self) -> str:
         kinds = sorted({r.mechanism for r in self.readers})
-        return "disk tier read in place from the checkpoint, " + "; ".join(kinds)
+        return "disk tier read in place from the checkpoint, " + "; ".join([*kinds, *self.notes])
 
     @property
     def bytes_read(self) -> int:
@@ -216,6 +245,7 @@ class DiskTier:
     def close(self) -> None:
         if self.prefetcher is not None:
             self.prefetcher.close()
+        self._pool.shutdown(wait=True)
         for r in self.readers:
             r.close()
         if self._arena is not None:
@@ -246,10 +276,13 @@ class DiskTier:
 
     def _read_rows(self, src: DiskTensor, ids: list[int], out: torch.Tensor, key: str) -> None:
         if out.device.type == "cpu":
-            src.read_rows(ids, out)
+            src.read_rows(ids, out, self._pool)
             return
-        stage = self._pinned(key, src)[:len(ids)]
-        src.read_rows(ids, stage)
+        # Expert tensors: pinned staging for all E experts, reused. A lookup table's rows (as many as the call's
+        # distinct tokens, of a table far larger) go through a temporary of their own size instead.
+        stage = self._pinned(key, src)[:len(ids)] if src.experts is not None else \
+            torch.empty((len(ids), *src.shape[1:]), dtype=src.dtype)
+        src.read_rows(ids, stage, self._pool)
         out.copy_(stage)        # synchronous: the staging buffer is reused by the next read
 
     def _pinned(self, key: str, src: DiskTensor) -> torch.Tensor:
@@ -283,10 +316,13 @@ class DiskTier:
         outer = {g for g in order if any(o != g and o.startswith(f"{g}." if g else "") for o in order)}
         fetched = [g for g in order if g not in outer and all(s.prefetchable for _, s in groups[g])]
         slow = [g for g in order if g not in fetched]
-        if slow:
+        if slow and not self.notes:
             self.notes.append(f"{len(slow)} group(s) of dense disk tensors are read when they run, not ahead "
                               f"(first: {slow[0]}): stored transposed, split or in another dtype, or enclosing "
                               "other groups")
+        if self.prefetcher is not None:   # attached again (after a detach): the old slots go
+            self.prefetcher.close()
+            self.prefetcher = None
         if fetched:
             self.prefetcher = DensePrefetcher([[(s.pieces[0][0], s.pieces[0][1].key) for _, s in groups[g]]
                                                for g in fetched])

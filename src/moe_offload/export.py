@@ -98,6 +98,7 @@ def _placement(plan: Plan, host: set[str], engine: Engine) -> Plan:
     for t in plan.tensors:
         off = t.name in host
         t2 = replace(t, tier=Tier.HOST.value if off else Tier.DEVICE.value, host_experts=0, host_expert_ids=(),
+                     disk_expert_ids=(),
                      reason=f"{engine.value}: {'offloaded' if off else 'resident'}")
         if engine is Engine.SGLANG and off:
             # SGLang copies an offloaded parameter to the GPU in full at every forward: no expert axis to

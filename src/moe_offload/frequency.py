@@ -6,11 +6,16 @@ token picks it: its smoothed share of the layer's picks times top_k (`expert_den
 Units go to the host lowest density first across the whole model; tensors that are not
 fused expert tensors go whole at their usual density (lookup tables, then dense), as
 under sparse-first. Pure: the statistics are data passed in (traces.expert_counts).
+
+Three tiers (tiers.py): of the units that left the device, the first in the same order (the least
+picked experts) go on to disk until the host tier fits; an expert's slices of its layer's tensors go
+together, so every fused tensor of a layer lists the same host_expert_ids and disk_expert_ids.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Mapping, Sequence
 
 from .errors import SelectorError
@@ -18,6 +23,7 @@ from .inventory import Inventory
 from .placement import Plan, PlannedTensor, Policy, Tier
 from .planner import _experts_of, _notes, _reason
 from .roles import Role, assign
+from .tiers import Unit, cut_to_disk, disk_reason, fill
 
 # Smoothing of routing statistics: every expert counts FREQUENCY_PSEUDOCOUNT picks more than it was seen, so an
 # expert no trace saw keeps a small density instead of 0 (and a layer with no statistics is uniform, k/E).
@@ -65,8 +71,10 @@ def _check_stats(stats: Mapping[int, Sequence[float]], inv: Inventory, layers: t
 
 
 def plan_frequency(inv: Inventory, roles: Sequence[Role], stats: Mapping[int, Sequence[float]], target: int,
-                    batch: int, notes: list[str], density, dense) -> Plan:
-    """Expert-granular placement: each expert of each layer is a unit, ranked by its pick probability."""
+                    batch: int, notes: list[str], density, dense, room: int | None = None,
+                    room_label: str = "the host tier") -> Plan:
+    """Expert-granular placement: each expert of each layer is a unit, ranked by its pick probability.
+    room: the host tier's bytes (None: unbounded); what left the device beyond it goes to disk."""
     records, e, k = inv.records, inv.num_experts, inv.top_k
     layers = routed_layers(inv, roles)
     _check_stats(stats, inv, layers)
@@ -83,36 +91,49 @@ def plan_frequency(inv: Inventory, roles: Sequence[Role], stats: Mapping[int, Se
              for layer, idx in fused.items() for x in range(e)]
     units += [(density(i), dense(i), i, -1, records[i].bytes, None) for i in range(len(records)) if i not in in_fused]
     units.sort(key=lambda u: u[:4])
-    host: dict[int, set[int]] = {layer: set() for layer in fused}
+    # The one filling loop (tiers.py), strict order, whole units: off the device, then on to disk.
+    order = [Unit(pos, u[4], u[0], u[1]) for pos, u in enumerate(units)]
+    off = fill(order, target, slice_=False)
+    on_disk = cut_to_disk(order, off, room, slice_=False, room_label=room_label,
+                          movable=lambda pos: units[pos][5] is not None or not records[units[pos][2]].is_buffer).taken
+    host: dict[int, set[int]] = {layer: set() for layer in fused}   # layer -> experts off the device
+    disk: dict[int, set[int]] = {layer: set() for layer in fused}   # layer -> those of them on disk
     whole: set[int] = set()
-    done, last = 0, None
-    for unit in units:
-        if done >= target:
-            break
-        _, _, i, x, nbytes, layer = unit
+    whole_disk: set[int] = set()
+    for pos in off.taken:
+        _, _, i, x, _, layer = units[pos]
         if layer is None:
             whole.add(i)
+            if pos in on_disk:
+                whole_disk.add(i)
         else:
             host[layer].add(x)
-        done += nbytes
-        last = unit
+            if pos in on_disk:
+                disk[layer].add(x)
+    done = off.done
+    last = units[off.last] if off.last is not None else None
 
     tensors, offloaded = [], set()
     for i, (r, role) in enumerate(zip(records, roles)):
         routed = role == Role.ROUTED_EXPERT
         ids = tuple(sorted(host[r.layer])) if i in in_fused else ()
-        off = bool(ids) or i in whole
-        if off:
+        on = tuple(sorted(disk[r.layer])) if i in in_fused else ()
+        off_ = bool(ids) or i in whole
+        if off_:
             offloaded.add(i)
-        reason = _reason(off, Policy.FREQUENCY, role, density(i), False)
+        reason = _reason(off_, Policy.FREQUENCY, role, density(i), False)
         if ids:
             lo, hi = min(p[r.layer][x] for x in ids), max(p[r.layer][x] for x in ids)
             reason = (f"offloaded by expert: {len(ids)} of {e} experts, picked by {lo:.4g} to {hi:.4g} of decoded "
                       "tokens (routing statistics)")
-        tensors.append(PlannedTensor(
-            r.name, r.shape, r.dtype, r.bytes, r.layer, r.component, role.value, r.is_buffer,
-            e if routed else None, k if routed else None, (Tier.HOST if off else Tier.DEVICE).value, reason,
-            len(ids), ids))
+        tier = Tier.DISK if on or i in whole_disk else Tier.HOST if off_ else Tier.DEVICE
+        # disk_expert_ids only when the offloaded experts span host and disk (all on disk: tier "disk" says it)
+        t = PlannedTensor(r.name, r.shape, r.dtype, r.bytes, r.layer, r.component, role.value, r.is_buffer,
+                          e if routed else None, k if routed else None, tier.value, reason,
+                          len(ids), ids, on if len(on) < len(ids) else ())
+        if tier is Tier.DISK:
+            t = replace(t, reason=disk_reason(t, density(i), room) + (f"; {reason}" if ids else ""))
+        tensors.append(t)
 
     picks = [sum(stats[layer]) for layer in layers]
     unseen = sum(1 for layer in layers for c in stats[layer] if c == 0)
@@ -128,4 +149,4 @@ def plan_frequency(inv: Inventory, roles: Sequence[Role], stats: Mapping[int, Se
         notes.append(f"offloaded {done - target} bytes more than the budget: experts and tensors move whole, and "
                      f"the last one ({what}) crossed the target")
     return Plan(tuple(tensors), inv.model_type, Policy.FREQUENCY.value, target, batch, (), tuple(notes),
-                tuple((layer, p[layer]) for layer in layers))
+                tuple((layer, p[layer]) for layer in layers), room)

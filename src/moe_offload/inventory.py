@@ -258,22 +258,24 @@ def _build_error(config, exc: Exception) -> ConfigError:
 
 def _quant_rule(config):
     """A function (name, module_class, numel, shape, dtype) -> (dtype name, bytes) for the config's quantization."""
-    qc = getattr(config, "quantization_config", None) or getattr(_text_config(config), "quantization_config", None)
-    if qc is None:
+    from .quant import QuantFormat, spec_from_config
+
+    # The loader's own reading of quantization_config: a method or block size it cannot size is an error here
+    # too, not a plan at another precision (or a division by a zero block).
+    spec = spec_from_config(config)
+    if spec is None:
         return None
-    qc = qc if isinstance(qc, dict) else qc.to_dict()
-    method = qc.get("quant_method")
     # Without a list, transformers keeps the output embedding unquantized (quantizers.base.get_keys_to_not_convert):
     # DeepSeek-V3's fp8 checkpoint stores lm_head in bf16. A given list replaces that default.
-    skip = tuple(qc["modules_to_not_convert"]) if qc.get("modules_to_not_convert") is not None else ("lm_head",)
+    skip = spec.modules_to_not_convert if spec.modules_to_not_convert is not None else ("lm_head",)
 
     def skipped(name):
         # Entries are module names or fragments (`lm_head`, `mlp.gate`) or patterns (`model.layers.*.self_attn`).
         return any(s and (name == s or name.startswith(s + ".") or f".{s}." in f".{name}."
                           or fnmatch.fnmatchcase(name, s + ".*")) for s in skip)
 
-    if method == "fp8":
-        bm, bn = qc.get("weight_block_size") or (128, 128)
+    if spec.format is QuantFormat.FP8:
+        bm, bn = spec.block
 
         def fp8(name, module_class, shape, is_weight):
             if not is_weight or len(shape) < 2 or skipped(name):
@@ -285,7 +287,7 @@ def _quant_rule(config):
             scales = lead * halves * math.ceil(rows // halves / bm) * math.ceil(cols / bn)
             return "float8_e4m3fn", math.prod(shape) + 4 * scales
         return fp8
-    if method == "mxfp4":
+    if spec.format is QuantFormat.MXFP4:
         def mxfp4(name, module_class, shape, is_weight):
             # GPT-OSS: routed expert matrices are MXFP4 (4-bit values + one 8-bit scale per 32): 4.25 bits each.
             if not is_weight or len(shape) != 3 or "Experts" not in module_class or skipped(name):

@@ -112,6 +112,11 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     note = reserve_note(cache_bytes, cache_policy, budget.get("device_memory_gb"), budget.get("reserve_gb"))
     if note:
         plan = dataclasses.replace(plan, notes=(*plan.notes, note))
+    on_disk = sum(t.offloaded_bytes for t in plan.tensors if t.tier == Tier.DISK and t.role == "routed_expert")
+    if cache_bytes and on_disk:
+        plan = dataclasses.replace(plan, notes=(*plan.notes, (
+            f"the device cache holds host-tier experts only: the {on_disk} bytes of routed experts on the disk tier "
+            "are read from the checkpoint at every use (counted as disk reads)")))
 
     by_name = {t.name: t for t in plan.tensors}
     # Quantized tensors (FP8, MXFP4) are held as stored: values as the parameter, scales as a buffer beside it
@@ -123,7 +128,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     disk = None
     try:
         # Disk-tier tensors are not read here: the runtime reads them from these files (disk_tier.py).
-        disk = DiskTier.build(folder, plan, slots, dev, quant)
+        disk = DiskTier.build(folder, plan, slots, dev, quant, inv.tied)
         targets, splits = _allocate(model, plan, dev, arena, quant)
         _stream_checkpoint(folder, model, targets, splits, by_name, progress, spec, slots, quant,
                            disk=set(disk.tensors) if disk is not None else set())
@@ -202,8 +207,9 @@ def split_ids(t, module_class: str) -> tuple[int, ...] | None:
             f"{list(t.shape)}, tier {t.tier})")
     if not (t.tier in (Tier.HOST, Tier.DISK) and t.role == "routed_expert" and len(t.shape) >= 2
             and "Experts" in module_class):
-        raise MoeOffloadError(f"{what}: only a fused routed-expert tensor on the host or disk can go in part (by "
-                              "expert); plan this model again")
+        raise MoeOffloadError(f"{what}: only a fused routed-expert tensor on the host can go in part (by expert), "
+                              "or one on the disk tier (its listed experts read from the checkpoint); plan this "
+                              "model again")
     experts = t.shape[0]
     if not t.host_expert_ids:
         if not 0 < t.host_experts <= experts:

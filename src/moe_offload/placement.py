@@ -46,16 +46,16 @@ class PlannedTensor:
     top_k: int | None       # k, for routed experts
     tier: str
     reason: str
-    # A routed-expert tensor [E, ...] split between tiers by expert. `tier` is then the furthest tier any of its
-    # experts lies in (disk, else host), so `tier != "device"` still means "offloaded, at least in part" and
-    # `tier == "disk"` means "the runtime reads some of it from the checkpoint". The experts not listed in
-    # either field below are on the device. A tensor that lies whole in its tier lists none.
-    # host_experts: how many experts are on the host; host_expert_ids: which (ascending). Two-tier plans may
-    # give the count alone, meaning the last `host_experts` experts (sparse-first's device/host split).
+    # A routed-expert tensor [E, ...] split by expert. `tier` is the furthest tier any of its bytes lies in, so
+    # `tier != "device"` means "offloaded, at least in part" and `tier == "disk"` means "the runtime reads some
+    # of it from the checkpoint". host_experts / host_expert_ids: the experts OFF THE DEVICE (the name is from
+    # the two-tier plans, where that was the host), lying in `tier`; the others are on the device. The count
+    # alone means the last `host_experts` experts (sparse-first); the ids (ascending) any subset (frequency).
+    # Neither: the tensor lies whole in its tier.
     host_experts: int = 0
     host_expert_ids: tuple[int, ...] = ()
-    # The ascending ids of the experts on disk (tier "disk"); always explicit, and then host_expert_ids is
-    # explicit too (empty: none on the host). Plans written before the disk tier have none.
+    # Only when a tensor's offloaded experts span host AND disk: the ascending ids of those on disk (a subset
+    # of host_ids; the rest of host_ids are in host memory); tier is then "disk". Empty: all in `tier`.
     disk_expert_ids: tuple[int, ...] = ()
 
     @property
@@ -64,43 +64,46 @@ class PlannedTensor:
 
     @property
     def host_ids(self) -> tuple[int, ...]:
-        """Ids of the experts of a split tensor that lie on the host (ascending); () for a whole tensor."""
+        """Ids of the experts of a split tensor that are off the device (ascending); () for a whole tensor."""
         if self.host_expert_ids:
             return self.host_expert_ids
-        if self.host_experts and not self.disk_expert_ids:
+        if self.host_experts:
             return tuple(range(self.shape[0] - self.host_experts, self.shape[0]))
         return ()
 
     @property
     def disk_ids(self) -> tuple[int, ...]:
         """Ids of the experts of a split tensor that lie on disk (ascending); () for a whole tensor."""
-        return self.disk_expert_ids
+        if self.tier != Tier.DISK:
+            return ()
+        return self.disk_expert_ids or self.host_ids
 
     @property
-    def offloaded_ids(self) -> tuple[int, ...]:
-        """Ids of the experts of a split tensor that are off the device (host or disk, ascending); () if whole."""
-        return tuple(sorted((*self.host_ids, *self.disk_ids)))
+    def memory_ids(self) -> tuple[int, ...]:
+        """Ids of the experts of a split tensor that lie in host memory (ascending); () for a whole tensor."""
+        disk = set(self.disk_ids)
+        return tuple(e for e in self.host_ids if e not in disk)
 
     @property
     def resident_experts(self) -> int:
         """How many experts of a split tensor stay on the device (0 for a whole tensor)."""
-        off = self.offloaded_ids
-        return self.shape[0] - len(off) if off else 0
+        return self.shape[0] - len(self.host_ids) if self.host_ids else 0
 
     @property
     def offloaded_bytes(self) -> int:
-        """Bytes off the device: on the host or on disk."""
+        """Bytes off the device: in host memory or on disk."""
         if self.tier == Tier.DEVICE:
             return 0
-        off = self.offloaded_ids
-        return self.bytes // self.shape[0] * len(off) if off else self.bytes
+        if self.host_experts:
+            return self.bytes // self.shape[0] * self.host_experts
+        return self.bytes
 
     @property
     def disk_bytes(self) -> int:
         """Bytes on disk: read from the checkpoint at run time."""
         if self.tier != Tier.DISK:
             return 0
-        return self.bytes // self.shape[0] * len(self.disk_ids) if self.offloaded_ids else self.bytes
+        return self.bytes // self.shape[0] * len(self.disk_ids) if self.host_ids else self.bytes
 
     @property
     def host_bytes(self) -> int:
@@ -195,14 +198,12 @@ class Plan:
         return self.token_bytes().expected(batch or self.batch, self.frequencies)
 
     def roles(self) -> dict[str, dict[str, int]]:
-        out: dict[str, dict[str, int]] = {r.value: {"params": 0, "bytes": 0, "offloaded_bytes": 0, "disk_bytes": 0}
-                                          for r in Role}
+        out: dict[str, dict[str, int]] = {r.value: {"params": 0, "bytes": 0, "offloaded_bytes": 0} for r in Role}
         for t in self.tensors:
             row = out[t.role]
             row["params"] += 0 if t.is_buffer else t.numel
             row["bytes"] += t.bytes
             row["offloaded_bytes"] += t.offloaded_bytes
-            row["disk_bytes"] += t.disk_bytes
         return out
 
     # --- serialisation -----------------------------------------------------------------
@@ -264,18 +265,16 @@ def _check_tiers(t: PlannedTensor) -> None:
     """A saved tensor's experts must each lie in one tier (ValueError: from_json makes it a user error)."""
     if not t.disk_expert_ids:
         return
-    host, disk, e = tuple(t.host_expert_ids), tuple(t.disk_expert_ids), t.shape[0] if t.shape else 0
+    disk, e = tuple(t.disk_expert_ids), t.shape[0] if t.shape else 0
     where = f"tensor {t.name}: disk_expert_ids {list(disk)[:8]}"
     if t.tier != Tier.DISK:
         raise ValueError(f"{where} with tier {t.tier!r}; a tensor with experts on disk has tier 'disk'")
-    for ids in (host, disk):
-        if ids and (list(ids) != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= e):
-            raise ValueError(f"{where}: expert ids must be ascending, distinct and below {e}")
-    if set(host) & set(disk):
-        raise ValueError(f"{where}: experts {sorted(set(host) & set(disk))[:8]} are on the host and on disk")
-    if t.host_experts != len(host):
-        raise ValueError(f"{where}: host_experts {t.host_experts} but {len(host)} host_expert_ids; with experts "
-                         "on disk the host's are listed")
+    if list(disk) != sorted(set(disk)) or disk[0] < 0 or disk[-1] >= e:
+        raise ValueError(f"{where}: expert ids must be ascending, distinct and below {e}")
+    stray = sorted(set(disk) - set(t.host_ids))
+    if stray:
+        raise ValueError(f"{where}: experts {stray[:8]} are not among the experts off the device (host_experts / "
+                         "host_expert_ids); disk_expert_ids names the part of those on disk")
 
 
 def format_bytes(n: float) -> str:

@@ -20,10 +20,15 @@ Units go lowest density first across the model; lookup tables and dense tensors 
 
 The expected link traffic per decoded token follows from the same numbers (accounting.py):
     sum over offloaded tensors of bytes * density_b / b
+
+Three tiers (tiers.py): with host_memory_gb (or, on a CPU-only machine, device_memory_gb alone:
+cpu_only=True, which the CLI sets from the device it resolves, so that this function stays pure),
+the first bytes of the same order that left the device go on to disk until the host tier fits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -33,6 +38,7 @@ from .inventory import Inventory, TensorRecord
 # The plan's data types live in placement.py; they are re-exported here, where users have always imported them.
 from .placement import GiB, PLAN_FORMAT, Plan, PlannedTensor, Policy, Tier, format_bytes  # noqa: F401
 from .roles import Role, assign, family_note
+from .tiers import Unit, cut_to_disk, disk_reason, fill, place, tier_notes
 
 DEFAULT_RESERVE_GB = 2.0  # activations + KV cache kept free with --device-memory, unless --reserve-gb says otherwise
 
@@ -46,17 +52,31 @@ class Budget:
     offload_gb: float | None = None
     device_memory_gb: float | None = None
     reserve_gb: float | None = None
+    host_memory_gb: float | None = None
+    cpu_only: bool = False    # the device is host memory (no accelerator): device_memory_gb alone bounds the RAM
 
     def validate(self) -> None:
         # Errors name the Python arguments (`offload_gb=5`); the CLI shows its own flags for them (cli._as_flags).
         for label, value in (("offload_gb", self.offload_gb), ("device_memory_gb", self.device_memory_gb),
-                             ("reserve_gb", self.reserve_gb)):
+                             ("reserve_gb", self.reserve_gb), ("host_memory_gb", self.host_memory_gb)):
             if value is not None and (not math.isfinite(value) or value < 0):
                 raise BudgetError(f"{label}={value} is not a size: give a non-negative number of GiB")
         if self.offload_gb is not None and self.device_memory_gb is not None:
             raise BudgetError("offload_gb and device_memory_gb both set a budget: give one of them")
         if self.reserve_gb is not None and self.device_memory_gb is None:
             raise BudgetError("reserve_gb only applies with device_memory_gb: add device_memory_gb or drop it")
+        if self.host_memory_gb is not None and self.offload_gb is None and self.device_memory_gb is None:
+            raise BudgetError(f"host_memory_gb={self.host_memory_gb:g} sizes the host tier for what leaves the "
+                              "device, and without offload_gb or device_memory_gb nothing leaves it: add one of "
+                              "them, or drop host_memory_gb")
+
+    def host_room(self) -> int | None:
+        """Bytes the host tier may hold; what leaves the device beyond them goes to disk. None: unbounded."""
+        if self.host_memory_gb is not None:
+            return math.floor(self.host_memory_gb * GiB)
+        if self.cpu_only and self.device_memory_gb is not None:
+            return 0   # the device is host memory: device_memory_gb bounds the RAM, and the rest is on disk
+        return None
 
 
 _gib = format_bytes
@@ -78,12 +98,16 @@ def _similar(selector: str, names: Sequence[str]) -> list[str]:
 def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: float | None = None,
          reserve_gb: float | None = None, policy: str = "sparse-first",
          offload_params: str | Sequence[str] | None = None, batch: int = 1,
-         stats: Mapping[int, Sequence[float]] | None = None) -> Plan:
+         stats: Mapping[int, Sequence[float]] | None = None, host_memory_gb: float | None = None,
+         cpu_only: bool = False) -> Plan:
     """Decide the tier of every tensor. Touches no device, file or global state.
 
     stats: with policy "frequency", layer -> decode-token picks of each expert (traces.expert_counts).
+    host_memory_gb: the host tier's GiB for offloaded weights; what left the device beyond it goes to disk.
+    cpu_only: the plan is for a machine without an accelerator, whose device is host memory: there
+    device_memory_gb alone bounds the RAM the weights hold and what does not fit goes to disk.
     """
-    budget = Budget(offload_gb, device_memory_gb, reserve_gb)
+    budget = Budget(offload_gb, device_memory_gb, reserve_gb, host_memory_gb, bool(cpu_only))
     budget.validate()
     if batch < 1:
         raise BudgetError(f"batch={batch}: the number of sequences decoded together is at least 1")
@@ -173,61 +197,55 @@ def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: f
     def dense(i: int) -> bool:
         return roles[i] not in (Role.ROUTED_EXPERT, Role.EMBEDDING)
 
+    room, room_label = budget.host_room(), _room_label(budget)
     if policy_ is Policy.FREQUENCY:
         from .frequency import plan_frequency  # it builds on this module's helpers: imported when used
 
-        return plan_frequency(inv, roles, stats, target, batch, notes, density, dense)
+        p = plan_frequency(inv, roles, stats, target, batch, notes, density, dense, room, room_label)
+        return _with_tier_notes(p, budget)
     order = sorted(eligible, key=lambda i: (density(i), dense(i), i)) if policy_ is Policy.SPARSE_FIRST else eligible
-    offloaded: set[int] = set()
-    split: dict[int, int] = {}   # index -> experts on the host, for a routed-expert tensor offloaded in part
-    done = 0
-    last = None
-    for pos, i in enumerate(order):
-        if done >= target:
-            break
-        need = target - done
-        if policy_ is Policy.SPARSE_FIRST and not dense(i) and records[i].bytes >= need:
-            # This routed-expert (or lookup) tensor would finish the budget. Every remaining tensor of its
-            # kind (same density) costs its bytes x that density per step, so the smallest one that alone
-            # covers what is left keeps the overshoot, and what it costs, down: Mixtral's down_proj rather
-            # than its twice-as-large gate_up_proj. Dense tensors keep strict declaration order.
-            kind = (density(i), dense(i))
-            covering = [j for j in order[pos:] if (density(j), dense(j)) == kind and records[j].bytes >= need]
-            sliceable = [j for j in covering if _experts_of(records[j], roles[j], inv)]
-            if sliceable:
-                # Fused expert tensors can go in part: the last n of their E experts. The smallest expert
-                # slice overshoots least; the overshoot is then below one expert slice.
-                i = min(sliceable, key=lambda j: records[j].bytes // _experts_of(records[j], roles[j], inv))
-                experts = _experts_of(records[i], roles[i], inv)
-                per_expert = records[i].bytes // experts
-                n = -(-need // per_expert)
-                if n < experts:
-                    split[i] = n
-                    offloaded.add(i)
-                    done += per_expert * n
-                    last = i
-                    break
-            else:
-                i = min(covering, key=lambda j: records[j].bytes)
-        offloaded.add(i)
-        done += records[i].bytes
-        last = i
+    # One unit per eligible tensor, in the policy's order; fused expert tensors may go by their last experts.
+    units = [Unit(i, records[i].bytes, density(i), dense(i), _experts_of(records[i], roles[i], inv)) for i in order]
+    sparse = policy_ is Policy.SPARSE_FIRST
+    off = fill(units, target, slice_=sparse)
+    disk = cut_to_disk(units, off, room, slice_=sparse, movable=lambda i: not records[i].is_buffer,
+                       room_label=room_label).taken
+    offloaded = set(off.taken)
+    split = {i: n for i, n in off.taken.items() if n}   # index -> experts off the device, for a tensor in part
+    done, last = off.done, off.last
 
     tensors = []
     for i, (r, role) in enumerate(zip(records, roles)):
         routed = role == Role.ROUTED_EXPERT
-        tier = Tier.HOST if i in offloaded else Tier.DEVICE
+        tier, host_n, disk_ids = place(r.shape[0] if r.shape else 0, split.get(i, 0), disk.get(i)) \
+            if i in offloaded else (Tier.DEVICE, 0, ())
         reason = _reason(i in offloaded, policy_, role, density(i), selectors and i in eligible)
         if i in split:
             reason = (f"offloaded in part: its last {split[i]} of {r.shape[0]} experts, the slice that met the "
                       "budget")
-        tensors.append(PlannedTensor(
-            r.name, r.shape, r.dtype, r.bytes, r.layer, r.component, role.value, r.is_buffer,
-            inv.num_experts if routed else None, inv.top_k if routed else None, tier.value, reason,
-            split.get(i, 0)))
+        t = PlannedTensor(r.name, r.shape, r.dtype, r.bytes, r.layer, r.component, role.value, r.is_buffer,
+                          inv.num_experts if routed else None, inv.top_k if routed else None, tier.value, reason,
+                          host_n, (), disk_ids)
+        tensors.append(dataclasses.replace(t, reason=disk_reason(t, density(i), room)) if i in disk else t)
 
     notes += _notes(records, roles, offloaded, target, done, last, policy_, eligible, split)
-    return Plan(tuple(tensors), inv.model_type, policy_.value, target, batch, selectors, tuple(notes))
+    return _with_tier_notes(Plan(tuple(tensors), inv.model_type, policy_.value, target, batch, selectors,
+                                 tuple(notes), host_budget_bytes=room), budget)
+
+
+def _room_label(budget: Budget) -> str:
+    """The host tier's size as the user set it, for errors."""
+    if budget.host_memory_gb is not None:
+        return f"the host tier (host_memory_gb={budget.host_memory_gb:g})"
+    return ("the host tier of a CPU-only machine with device_memory_gb alone (none: the device is host memory; "
+            "host_memory_gb makes one)")
+
+
+def _with_tier_notes(p: Plan, budget: Budget) -> Plan:
+    extra = tier_notes(p, p.host_budget_bytes, cpu_only=budget.cpu_only,
+                       device_bound=budget.device_memory_gb is not None,
+                       explicit_room=budget.host_memory_gb is not None)
+    return dataclasses.replace(p, notes=(*p.notes, *extra)) if extra else p
 
 
 def _experts_of(record: TensorRecord, role: Role, inv: Inventory) -> int:

@@ -17,17 +17,22 @@ def plan_table(plan: Plan) -> Table:
     table.add_column("role")
     table.add_column("params", justify="right")
     table.add_column("bytes", justify="right")
-    table.add_column("offloaded", justify="right")
+    table.add_column("host", justify="right")
+    table.add_column("disk", justify="right")
     table.add_column("share offloaded", justify="right")
+    disk = {}
+    for t in plan.tensors:
+        disk[t.role] = disk.get(t.role, 0) + t.disk_bytes
     for role, row in plan.roles().items():
         if row["bytes"] == 0:
             continue
         share = row["offloaded_bytes"] / row["bytes"]
-        table.add_row(role, f"{row['params']:,}", format_bytes(row["bytes"]), format_bytes(row["offloaded_bytes"]),
+        table.add_row(role, f"{row['params']:,}", format_bytes(row["bytes"]),
+                      format_bytes(row["offloaded_bytes"] - disk.get(role, 0)), format_bytes(disk.get(role, 0)),
                       f"{share:.0%}")
     table.add_section()
-    table.add_row("total", f"{plan.total_params:,}", format_bytes(plan.total_bytes),
-                  format_bytes(plan.offloaded_bytes), f"{plan.offloaded_bytes / max(plan.total_bytes, 1):.0%}",
+    table.add_row("total", f"{plan.total_params:,}", format_bytes(plan.total_bytes), format_bytes(plan.host_bytes),
+                  format_bytes(plan.disk_bytes), f"{plan.offloaded_bytes / max(plan.total_bytes, 1):.0%}",
                   style="bold")
     return table
 
@@ -48,6 +53,8 @@ def tensors_table(plan: Plan) -> Table:
 
 
 def _tier_cell(t) -> str:
+    if t.tier == "disk" and t.memory_ids:   # offloaded experts in two tiers
+        return f"disk ({len(t.disk_ids)} of {t.shape[0]} experts; {len(t.memory_ids)} on the host)"
     if t.host_expert_ids:   # frequency placement: any subset of the experts
         ids = f": {','.join(map(str, t.host_expert_ids))}" if len(t.host_expert_ids) <= 8 else ""   # the JSON has all
         return f"{t.tier} ({t.host_experts} of {t.shape[0]} experts{ids})"
@@ -63,10 +70,15 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     console.print(
         f"active params per token: {plan.active_params:,} of {plan.total_params:,}   "
         f"resident: {format_bytes(plan.resident_bytes)}   offloaded: {format_bytes(plan.offloaded_bytes)} "
-        f"(budget {format_bytes(plan.budget_bytes)})")
+        f"(budget {format_bytes(plan.budget_bytes)})"
+        + (f"   host: {format_bytes(plan.host_bytes)}   disk: {format_bytes(plan.disk_bytes)}"
+           if plan.host_budget_bytes is not None else ""))
+    host_link, disk_read = plan.link_bytes_by_tier()
     console.print(
         f"expected link bytes per decoded token at batch {plan.batch}: "
-        f"[bold]{format_bytes(plan.link_bytes_per_token())}[/bold]"
+        f"[bold]{format_bytes(host_link + disk_read)}[/bold]"
+        + (f" ({format_bytes(host_link)} from host memory, {format_bytes(disk_read)} from disk)"
+           if plan.host_budget_bytes is not None else "")
         + ("" if routed else "   (dense model: no routed experts)"))
     for note in plan.notes:
         console.print(f"[yellow]note:[/yellow] {escape(note)}")  # notes are text, not markup: `[e, h]` must show

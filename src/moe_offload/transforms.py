@@ -39,6 +39,18 @@ def _runtime(model: nn.Module):
     return runtime
 
 
+def _refuse_disk(runtime, names, what: str) -> None:
+    """Disk-tier weights are read from the checkpoint's own files at every use: there is nothing in memory to
+    change, and writing the user's checkpoint is not ours to do. Refused before anything is touched."""
+    disk = getattr(runtime, "disk", None)
+    on_disk = [n for n in names if disk is not None and n in disk.tensors]
+    if on_disk:
+        raise MoeOffloadError(f"{what} {len(on_disk)} tensor(s) on the disk tier (first: {on_disk[0]}), which are read "
+                              "from the checkpoint's safetensors files at run time and so cannot be changed in "
+                              "memory; plan them in host memory (a larger --host-memory / device budget) to "
+                              "transform or update them")
+
+
 def _rehost(runtime, name: str, new: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """Write `new` (a host tensor) into `name`'s host bytes; returns the tensor the model should hold.
 
@@ -76,6 +88,10 @@ def transform_weights(model: nn.Module, fn: Transform, *, names: Iterable[str] |
     unknown = [n for n in wanted if n not in tensors]
     if unknown:
         raise MoeOffloadError(f"{len(unknown)} name(s) are not tensors of this model (first: {unknown[:3]})")
+    if names is None and getattr(runtime, "disk", None) is not None:
+        # every weight: those on disk are skipped, since they have no bytes in memory to transform
+        wanted = [n for n in wanted if n not in runtime.disk.tensors]
+    _refuse_disk(runtime, wanted, "transform_weights was asked to transform")
     runtime.detach()  # hooks and experts state hold references to the old tensors
     try:
         for name in wanted:
@@ -104,6 +120,7 @@ def update_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> Non
     """Write new values into existing weights in place (an RL weight update); placement is kept."""
     runtime = _runtime(model)
     live = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    _refuse_disk(runtime, list(weights), "update_weights was given")
     for name, value in weights.items():
         if name not in live:
             raise MoeOffloadError(f"{name!r} is not a tensor of this model; check the name against named_parameters()")
