@@ -67,3 +67,15 @@ def test_the_plan_of_the_model_itself_is_accepted(models, capsys, command):
     # export's own offloaded_bytes is what the engine applies; plan_offloaded_bytes is the plan read back
     key = "offloaded_bytes" if command == "replay" else "plan_offloaded_bytes"
     assert doc[key] == saved["offloaded_bytes"] > 0
+
+
+def test_stats_without_decode_tokens_points_at_eos_not_at_a_token_count(models, capsys):
+    # profile --max-new-tokens 1 already writes one decode row per prompt, so "at least 2" was wrong advice: a
+    # trace without decode rows is one whose generations stopped at EOS at once.
+    root, configs = models
+    prefill_only = root / "prefill.jsonl"
+    write_trace(prefill_only, TraceHeader("qwen3_moe", 4, 2, (0, 1), "test"),
+                [TraceRow(0, 0, "prefill", ((0, 1), (2, 3)))])
+    line = _one_error_line(*run(capsys, "plan", configs["two"], "--offload-gb", "0.00001", "--policy", "frequency",
+                                "--stats", prefill_only))
+    assert "no decode tokens" in line and "--ignore-eos" in line and "at least 2" not in line

@@ -41,39 +41,39 @@ def where(p: Plan) -> dict[str, str]:
 
 def test_sparse_first_lowest_densities_go_furthest_by_hand():
     # 1792 B leave the device: the embedding 256 + every expert 1536. The host holds 1000 B, so 792 B go to
-    # disk in the same order: the embedding (256), L0 gate_up whole (512; 24 B left), then the smallest expert
-    # slice that covers 24 B: one 64 B expert of L0 down_proj (its last, id 3). Disk 832 B, host 960 B.
+    # disk in the same order, by whole units (the disk tier reads a tensor's experts from disk or from memory,
+    # not both): the embedding (256), L0 gate_up (512; 24 B left), L0 down_proj (256). Disk 1024 B, host 768 B.
     p = plan(INV, offload_gb=gb(1792), host_memory_gb=gb(1000))
     t = by_name(p)
     assert where(p) == {EMB: "disk", f"model.layers.0.{GU}": "disk", f"model.layers.0.{DN}": "disk",
                         f"model.layers.1.{GU}": "host", f"model.layers.1.{DN}": "host"}
     down = t[f"model.layers.0.{DN}"]
-    assert (down.host_ids, down.disk_ids, down.memory_ids) == ((0, 1, 2, 3), (3,), (0, 1, 2))
-    assert (down.offloaded_bytes, down.disk_bytes, down.host_bytes) == (256, 64, 192)
-    assert (p.offloaded_bytes, p.disk_bytes, p.host_bytes, p.host_budget_bytes) == (1792, 832, 960, 1000)
-    # per token, uniform routing (1/2 per expert): disk row 16 + 512/2 + 64/2 = 304; host 192/2 + 768/2 = 480
-    assert p.link_bytes_by_tier() == (480.0, 304.0) and p.link_bytes_per_token() == 784.0
+    assert (down.host_ids, down.disk_ids, down.memory_ids) == ((), (), ())
+    assert (down.offloaded_bytes, down.disk_bytes, down.host_bytes) == (256, 256, 0)
+    assert (p.offloaded_bytes, p.disk_bytes, p.host_bytes, p.host_budget_bytes) == (1792, 1024, 768, 1000)
+    # per token, uniform routing (1/2 per expert): disk row 16 + 512/2 + 256/2 = 400; host 768/2 = 384
+    assert p.link_bytes_by_tier() == (384.0, 400.0) and p.link_bytes_per_token() == 784.0
     note = next(n for n in p.notes if n.startswith("disk tier:"))
-    assert "832 B (832 bytes) of the 1.75 KiB offloaded do not fit the 1000 B host tier (960 B there)" in note
-    assert "2 tensors whole and 1 in part" in note and "304 B from disk and 480 B from host memory" in note
+    assert "1.00 KiB (1024 bytes) of the 1.75 KiB offloaded do not fit the 1000 B host tier (768 B there)" in note
+    assert "3 tensors whole and 0 in part" in note and "400 B from disk and 384 B from host memory" in note
     # the device keeps what the two-tier plan keeps: the disk cut only divides what left it
     two = plan(INV, offload_gb=gb(1792))
     assert {n: x.offloaded_bytes for n, x in by_name(two).items()} == {n: x.offloaded_bytes for n, x in t.items()}
 
 
-def test_one_tensor_in_three_tiers():
+def test_experts_the_device_cut_took_go_to_disk_together():
     # One layer. 448 B leave: the embedding and the last 3 experts (ids 1-3, 3 x 64 B) of down_proj, the
-    # smallest slice covering 192 B. Host room 100 B: 348 B to disk: the embedding, then 92 B of down_proj's
-    # offloaded experts: its last 2 (ids 2, 3: 128 B). Expert 0 on the device, 1 on the host, 2-3 on disk.
+    # smallest slice covering 192 B. Host room 100 B: 348 B to disk: the embedding, then down_proj's offloaded
+    # experts as one unit (192 B): expert 0 on the device, 1-3 on disk, nothing of it in host memory.
     p = plan(ONE, offload_gb=gb(448), host_memory_gb=gb(100))
     down = by_name(p)[f"model.layers.0.{DN}"]
-    assert down.tier == "disk" and down.host_experts == 3
-    assert (down.host_ids, down.disk_ids, down.memory_ids, down.resident_experts) == ((1, 2, 3), (2, 3), (1,), 1)
-    assert (p.disk_bytes, p.host_bytes) == (256 + 128, 64)
-    assert "experts 2,3 of 4 on disk, 1 in host memory, the others on the device" in down.reason
+    assert down.tier == "disk" and down.host_experts == 3 and down.disk_expert_ids == ()
+    assert (down.host_ids, down.disk_ids, down.memory_ids, down.resident_experts) == ((1, 2, 3), (1, 2, 3), (), 1)
+    assert (p.disk_bytes, p.host_bytes) == (256 + 192, 0)
+    assert "experts 1-3 of 4 on disk, the others on the device" in down.reason
     tb = p.token_bytes()
-    assert tb.expert_bytes(0) == ((0, 64, 0, 0), (0, 0, 64, 64))
-    assert tb.bytes_for_token([(0, 1)]) == (64, 16) and tb.bytes_for_token([(2, 3)]) == (0, 16 + 128)
+    assert tb.expert_bytes(0) == ((0, 0, 0, 0), (0, 64, 64, 64))
+    assert tb.bytes_for_token([(0, 1)]) == (0, 16 + 64) and tb.bytes_for_token([(2, 3)]) == (0, 16 + 128)
 
 
 @pytest.mark.parametrize("offload, room", [(300, 0), (300, 44), (1000, 300), (1792, 1), (1792, 1535), (2000, 700),
@@ -187,13 +187,19 @@ def test_cpu_only_model_that_fits_offloads_nothing():
 def test_json_fields_and_round_trip():
     p = plan(ONE, offload_gb=gb(448), host_memory_gb=gb(100))
     data = json.loads(p.to_json())
-    assert (data["disk_bytes"], data["host_bytes"], data["host_budget_bytes"]) == (384, 64, 100)
+    assert (data["disk_bytes"], data["host_bytes"], data["host_budget_bytes"]) == (448, 0, 100)
     assert data["host_link_bytes_per_token"] + data["disk_read_bytes_per_token"] == data["link_bytes_per_token"]
-    # disk: row 16 + 2 x 64 x 1/2 = 80; host: 64 x 1/2 = 32
-    assert (data["host_link_bytes_per_token"], data["disk_read_bytes_per_token"]) == (32.0, 80.0)
+    # disk: row 16 + 3 x 64 x 1/2 = 112; host: nothing
+    assert (data["host_link_bytes_per_token"], data["disk_read_bytes_per_token"]) == (0.0, 112.0)
     down = next(t for t in data["tensors"] if t["name"].endswith(DN))
-    assert (down["tier"], down["host_experts"], down["disk_expert_ids"]) == ("disk", 3, [2, 3])
+    assert (down["tier"], down["host_experts"], down["disk_expert_ids"]) == ("disk", 3, [])
     assert Plan.from_json(p.to_json()) == p and Plan.from_json(p.to_json(indent=1)) == p
+    # the data model also holds one tensor in three tiers (a plan made elsewhere): expert 0 on the device,
+    # 1 in host memory, 2-3 on disk; host 64 x 1/2 = 32 B per token, disk 16 + 2 x 64 x 1/2 = 80 B
+    down["disk_expert_ids"] = [2, 3]
+    three = Plan.from_json(json.dumps(data))
+    assert (three.disk_bytes, three.host_bytes, three.link_bytes_by_tier()) == (384, 64, (32.0, 80.0))
+    assert Plan.from_json(three.to_json()) == three
     # a plan written before the disk tier (no disk fields) still reads, with none of it on disk
     old = json.loads(plan(INV, offload_gb=gb(300)).to_json())
     for key in ("disk_bytes", "host_bytes", "host_budget_bytes", "host_link_bytes_per_token",
@@ -214,6 +220,7 @@ def test_json_fields_and_round_trip():
 def test_inconsistent_disk_experts_in_a_saved_plan_are_user_errors(change, message):
     data = json.loads(plan(ONE, offload_gb=gb(448), host_memory_gb=gb(100)).to_json())
     down = next(t for t in data["tensors"] if t["name"].endswith(DN))
+    down["disk_expert_ids"] = [2, 3]   # a valid plan with expert 1 in host memory, 2-3 on disk; then broken
     down.update(change)
     with pytest.raises(MoeOffloadError, match=message):
         Plan.from_json(json.dumps(data))
@@ -352,7 +359,7 @@ def test_plan_table_shows_host_and_disk_columns():
     header = next(line for line in text.splitlines() if "role" in line)
     assert [c.strip() for c in header.split("┃")[1:-1]] == ["role", "params", "bytes", "host", "disk",
                                                             "share offloaded"]
-    assert "host: 64 B   disk: 384 B" in text and "(32 B from host memory, 80 B from disk)" in text
+    assert "host: 0 B   disk: 448 B" in text and "(0 B from host memory, 112 B from disk)" in text
     row = next(line for line in text.splitlines() if line.startswith("│ routed_expert"))
-    assert [c.strip() for c in row.split("│")[3:6]] == ["768 B", "64 B", "128 B"]
+    assert [c.strip() for c in row.split("│")[3:6]] == ["768 B", "0 B", "192 B"]
 

@@ -245,4 +245,3 @@ def test_cli_generate_one_token_longer_agrees_with_replay_of_the_profile(models,
         assert code == 0, err
         measured[new] = json.loads(out)["link_bytes_per_token"]
     assert measured[NEW + 1] == replayed["link_bytes_per_token"] > 0, (measured, replayed)
-    print("H15DEBUG", measured, replayed["link_bytes_per_token"])

@@ -108,8 +108,9 @@ def _stats(paths, check=None) -> dict | None:
         check(trace)
     counts = expert_counts(traces)
     if not any(sum(c) for c in counts.values()):
+        # profile --max-new-tokens 1 already records one decode row: an empty trace stopped at EOS at once
         raise TraceError(f"--stats {' '.join(paths)}: no decode tokens in these traces, so there are no routing "
-                         "statistics; profile with --max-new-tokens of at least 2")
+                         "statistics; profile with --ignore-eos (generation stopped at EOS before any decode step)")
     return counts
 
 

@@ -208,7 +208,9 @@ def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: f
     units = [Unit(i, records[i].bytes, density(i), dense(i), _experts_of(records[i], roles[i], inv)) for i in order]
     sparse = policy_ is Policy.SPARSE_FIRST
     off = fill(units, target, slice_=sparse)
-    disk = cut_to_disk(units, off, room, slice_=sparse, movable=lambda i: not records[i].is_buffer,
+    # The disk cut moves whole units (a tensor, or the experts the device cut took of one): the disk tier reads
+    # a tensor's experts from disk or from memory, not both (disk_tier.py), so every plan made here loads.
+    disk = cut_to_disk(units, off, room, slice_=False, movable=lambda i: not records[i].is_buffer,
                        room_label=room_label).taken
     offloaded = set(off.taken)
     split = {i: n for i, n in off.taken.items() if n}   # index -> experts off the device, for a tensor in part

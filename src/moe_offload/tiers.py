@@ -13,9 +13,11 @@ run time. The room is host_memory_gb; on a CPU-only machine the device *is* host
 device_memory_gb alone bounds the RAM the weights hold and the room is 0: everything that does not
 fit goes to disk (`Budget.host_room`). Without either the host tier is unbounded (two tiers).
 
-Sparse-first may end either cut inside one fused expert tensor, by its last experts, so a tensor may
-hold experts in all three tiers: device [0, E-n), host [E-n, E-m), disk [E-m, E) (`place`; the
-data model is PlannedTensor's: host_experts = n experts off the device, disk_expert_ids = the last m). The
+Sparse-first may end the device cut inside one fused expert tensor, by its last experts; the planner
+runs the disk cut on whole units (a tensor, or the experts the device cut took of one), since the disk tier
+reads a tensor's experts from disk or from memory, not both. The data model (`place`; PlannedTensor's
+host_experts = n experts off the device, disk_expert_ids = the last m of them) also holds a tensor in all
+three tiers: device [0, E-n), host [E-n, E-m), disk [E-m, E), for `cut_to_disk(slice_=True)`. The
 declaration order and explicit selectors move whole tensors; frequency units are whole experts.
 Buffers never go to disk (a checkpoint need not store them): they stay in host memory.
 """
