@@ -308,3 +308,17 @@ def test_replay_cache_errors_exit_2(replay_files, capsys):
         rc = main(base + extra)
         out, err = capsys.readouterr()
         assert rc == 2 and out == "" and err.startswith("error: ") and message in err, err
+
+
+def test_marked_steps_keep_tokens_apart_where_the_order_cannot():
+    # One offloaded layer, picks [0, 1], [2, 3], [2, 3], [2, 3], two slots (LRU). Without marks, rising ids in
+    # one layer look like one step: token 2's experts would be protected with token 1's and declined. Marked:
+    # token 1 misses 0, 1; token 2 evicts them for 2, 3 (misses); tokens 3 and 4 hit: 4 hits, 4 misses.
+    for policy in ("lru", "lfu", "heat"):
+        cache = make_cache(policy, 20)
+        hits = []
+        for picks in ([0, 1], [2, 3], [2, 3], [2, 3]):
+            cache.begin_step()
+            hits += [cache.access((5, e), 10) for e in picks]
+        assert hits == [False, False, False, False, True, True, True, True], policy
+        assert (cache.hits, cache.misses, cache.sweeps) == (4, 4, 4)

@@ -59,7 +59,10 @@ class RecordingCache:
     """Holds every expert it has seen (unbounded): a hit is any key accessed before."""
 
     def __init__(self):
-        self.seen, self.calls = set(), []
+        self.seen, self.calls, self.steps = set(), [], 0
+
+    def begin_step(self):
+        self.steps += 1
 
     def access(self, key, nbytes):
         self.calls.append((key, nbytes))
@@ -77,6 +80,7 @@ def test_cache_accesses_in_runtime_order_and_hits_read_nothing():
     # offloaded picks, by token, layer, ascending id: (0,1) | (0,1) (1,0) | (1,1); resident experts unseen
     assert cache.calls == [((0, 1), 192), ((0, 1), 192), ((1, 0), 192), ((1, 1), 192)]
     assert access_keys(tb, ids) == [k for k, _ in cache.calls]
+    assert cache.steps == len(TRACE.decode_rows)   # one marked step per decoded token, as the runtime marks them
     # one hit (the second (0,1)): 3 rows + 3 misses x 192
     assert (cost.cache_hits, cost.expert_reads, cost.host_bytes) == (1, 3, 3 * 16 + 3 * 192)
 

@@ -35,8 +35,11 @@ Rules:
   layer with ascending ids: the experts that layer computes with now) to admit another of
   the same step; a cache too small for the whole step declines the rest. Belady, a floor
   rather than a runtime, may: no online policy under the rule can do better than it.
-- Time is counted in sweeps: a new sweep starts when an access goes back to an earlier (or
-  the same) layer, i.e. at each decode step, as far as accesses tell.
+- Time is counted in sweeps, one per decode step. The runtime and replay say where a step starts
+  (`begin_step()`, once per decoded token, even one that reads nothing offloaded): accesses alone
+  cannot tell two tokens that each reach only one offloaded layer with rising ids from one token.
+  A caller that never calls `begin_step` (a plain key sequence) gets steps inferred from the
+  order: a new sweep when an access goes back to an earlier (or the same) layer.
 - `capacity_bytes == 0` is "no cache" (every access a miss, nothing admitted). An expert
   larger than a non-zero capacity is a BudgetError: such a cache could never hold it, which
   is a misconfiguration rather than something to degrade into silently.
@@ -84,12 +87,25 @@ class ExpertCache:
         self._step_layer = None
         self._step_last = None
         self.clock = 0  # accesses so far
-        self.sweeps = 0  # passes through the layers so far (decode steps, as far as accesses tell)
+        self.sweeps = 0  # decode steps so far (begun by begin_step, or inferred from the access order)
+        self._marked = False  # the caller marks steps with begin_step()
 
     # -- the interface the runtime and replay drive ------------------------------------------
+    def begin_step(self) -> None:
+        """A decode step (one decoded token) starts: the next access opens its first layer step."""
+        self._marked = True
+        self.sweeps += 1
+        self._step = set()
+        self._step_layer = None
+        self._step_last = None
+
     def access(self, key: Key, nbytes: int) -> bool:
         layer, expert = key
-        if layer != self._step_layer or expert <= self._step_last:
+        if self._marked:
+            if layer != self._step_layer:   # the next layer of this decode step
+                self._step = set()
+                self._step_layer = layer
+        elif layer != self._step_layer or expert <= self._step_last:
             if self._step_layer is None or layer <= self._step_layer:
                 self.sweeps += 1  # back to an earlier (or the same) layer: the next token or step
             self._step = set()

@@ -73,30 +73,37 @@ def replay_routing(tb: TokenBytes, ids: np.ndarray, *, cache=None) -> RoutingCos
             reads += int(np.count_nonzero(h + d))
         return RoutingCost(t, host_bytes, disk_bytes, reads, 0)
 
-    lay, experts = _access_order(tb, ids)
-    nbytes = (host + disk)[lay, experts]
-    access = cache.access
-    keys = zip(np.asarray(tb.layers, dtype=np.int64)[lay].tolist(), experts.tolist())
-    hit = np.fromiter((access(k, b) for k, b in zip(keys, nbytes.tolist())), dtype=bool, count=len(lay))
+    tok, lay, experts = _access_order(tb, ids)
+    nbytes = (host + disk)[lay, experts].tolist()
+    keys = list(zip(np.asarray(tb.layers, dtype=np.int64)[lay].tolist(), experts.tolist()))
+    ends = np.searchsorted(tok, np.arange(1, t + 1)).tolist()   # accesses of token i: [ends[i-1], ends[i])
+    access, begin = cache.access, cache.begin_step
+    hit = np.zeros(len(keys), dtype=bool)
+    start = 0
+    for end in ends:   # every token is one decode step, as the runtime marks it (even one reading nothing)
+        begin()
+        for j in range(start, end):
+            hit[j] = access(keys[j], nbytes[j])
+        start = end
     miss = ~hit
     host_bytes += int(host[lay[miss], experts[miss]].sum())
     disk_bytes += int(disk[lay[miss], experts[miss]].sum())
     return RoutingCost(t, host_bytes, disk_bytes, int(miss.sum()), int(hit.sum()))
 
 
-def _access_order(tb: TokenBytes, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(layer row, expert id) of every cache access, in the runtime's order: token, then layer, then ascending
-    expert id; only offloaded experts are accessed (resident ones are on the device already)."""
+def _access_order(tb: TokenBytes, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(token, layer row, expert id) of every cache access, in the runtime's order: token, then layer, then
+    ascending expert id; only offloaded experts are accessed (resident ones are on the device already)."""
     n_layers = len(tb.layers)
     off = np.concatenate([tb.expert_host + tb.expert_disk, np.zeros((n_layers, 1), np.int64)], axis=1)
     picks = np.sort(ids, axis=2)                                   # the -1 padding sorts first
     tok, lay, slot = np.nonzero(off[np.arange(n_layers)[None, :, None], picks] > 0)   # C order = access order
-    return lay, picks[tok, lay, slot].astype(np.int64)
+    return tok, lay, picks[tok, lay, slot].astype(np.int64)
 
 
 def access_keys(tb: TokenBytes, ids: np.ndarray) -> list[tuple[int, int]]:
     """The (layer, expert) keys a cache sees for `ids`, in access order (the future an offline policy needs)."""
-    lay, experts = _access_order(tb, ids)
+    _, lay, experts = _access_order(tb, ids)
     return list(zip(np.asarray(tb.layers, dtype=np.int64)[lay].tolist(), experts.tolist()))
 
 

@@ -294,6 +294,8 @@ class Runtime:
         self._decode = bool(length()) if callable(length) else None
         # The device cache serves the calls the counter counts as decode steps (and a trace records as such).
         self.cache_step = self.cache is not None and (self._decode if self._decode is not None else self._tokens == 1)
+        if self.cache_step:
+            self.cache.policy.begin_step()   # where a step starts, as replay marks it per decoded token
 
     def _top_post(self, module, args, kwargs, output):
         for top_k_index, per_expert in self.routes:
