@@ -571,13 +571,16 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(func=cmd_profile)
 
     t = sub.add_parser("make-tiny", help="write a small random-weight model folder")
-    t.add_argument("dir")
-    t.add_argument("--family", required=True)
-    t.add_argument("--layers", type=int, default=2)
-    t.add_argument("--experts", type=int, default=8)
-    t.add_argument("--top-k", type=int, default=2)
-    t.add_argument("--hidden", type=int, default=64)
-    t.add_argument("--seed", type=int, default=0)
+    from .tiny import FAMILIES
+
+    t.add_argument("dir", help="the folder to write (new, or empty)")
+    t.add_argument("--family", required=True, metavar="F",
+                   help=f"a transformers model family: {', '.join(FAMILIES)}")
+    t.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    t.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer (default 8)")
+    t.add_argument("--top-k", type=int, default=2, help="experts each token is routed to (default 2)")
+    t.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
+    t.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     t.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
                    help="dtype of the saved (unquantized) weights (default float32; bfloat16 with --quant, as the "
                         "released quantized checkpoints store them)")

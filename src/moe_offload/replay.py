@@ -109,13 +109,10 @@ def access_keys(tb: TokenBytes, ids: np.ndarray) -> list[tuple[int, int]]:
 
 def make_replay_cache(policy: str | None, capacity_bytes: int, future_keys):
     """A cache from cache_policy.py; `future_keys()` is called only for an offline policy (belady)."""
-    try:
-        from . import cache_policy
-    except ImportError:
-        raise MoeOffloadError("--cache-gb: the device-side expert cache is not there yet in this moe-offload "
-                              "(cache_policy.py); replay without --cache-gb") from None
-    name = policy or getattr(cache_policy, "DEFAULT_CACHE_POLICY", "lru")
-    offline = name in getattr(cache_policy, "OFFLINE_POLICIES", ("belady",))
+    from . import cache_policy
+
+    name = policy or cache_policy.DEFAULT_CACHE_POLICY
+    offline = name in cache_policy.OFFLINE_POLICIES
     return name, cache_policy.make_cache(name, capacity_bytes, future=future_keys() if offline else None)
 
 
@@ -131,7 +128,8 @@ def replay(plan: Plan, trace: Trace, *, cache_gb: float | None = None, cache_pol
     rows = trace.decode_rows
     if not rows:
         raise TraceError(f"{trace.name} holds no decode tokens ({len(trace.rows)} prefill rows): replay counts "
-                         "decode tokens; profile with --max-new-tokens of at least 2")
+                         "decode tokens; profile with --max-new-tokens of at least 1 (and --ignore-eos, so that EOS does not end "
+                         "every prompt at once)")
     width = max(1, max(len(ids) for r in rows for ids in r.experts))
     dtype = np.int16 if tb.num_experts < 2 ** 15 else np.int32
     ids = routing_array(rows, width, len(tb.layers), dtype=dtype)
