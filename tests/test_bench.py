@@ -507,3 +507,35 @@ def test_cli_bench_accelerate_arm(model_dir, tmp_path, capsys):
     assert row["arm"] == "accelerate" and row["settings"]["max_memory"] == {"cpu": 955904}
     rc, _, err = _cli(["bench", str(model_dir), "--arms", "accelerate", "--device", "cpu"], capsys)
     assert rc == 2 and err.startswith("error:") and "budget" in err
+
+
+def test_frequency_arm_places_experts_from_stats(model_dir, tmp_path, capsys):
+    # A hand-made trace of 40 decode tokens: layer 0 picks experts 0 and 1 every time, layer 1 experts 6 and 7.
+    # Densities: the embedding 1/512, a never-picked expert 2 x 1 / (80 + 8) = 1/44, a hot one 2 x 41 / 88.
+    # The budget (589824 B) takes the embedding (131072 B), then never-picked experts of 73728 B each (their
+    # slices of gate_up_proj and down_proj), ties by layer then id: layer 0's 2-7 and layer 1's 0 (7 x 73728
+    # = 516096 B, the 7th crosses the target). The hot experts all stay resident.
+    from moe_offload.traces import TraceHeader, TraceRow, write_trace
+
+    trace = tmp_path / "hot.jsonl"
+    rows = [TraceRow(0, 4 + i, "decode", ((0, 1), (6, 7))) for i in range(40)]
+    write_trace(trace, TraceHeader("qwen3_moe", 8, 2, (0, 1), "hand-made"), rows)
+    rc, out, err = _cli(["bench", str(model_dir), "--arms", "frequency,sparse-first", "--offload-gb", repr(BUDGET_GB),
+                         "--stats", str(trace), "--concurrency", "1", "--runs", "1", "--max-new-tokens", "3",
+                         "--json", "-"], capsys)
+    assert rc == 0, err
+    freq, sparse = json.loads(out)
+    assert freq["arm"] == "frequency" and freq["settings"]["policy"] == "frequency"
+    plan = mo.plan(model_dir, offload_gb=BUDGET_GB, policy="frequency",
+                   stats={0: [40, 40, 0, 0, 0, 0, 0, 0], 1: [0, 0, 0, 0, 0, 0, 40, 40]})
+    host_ids = {t.name: t.host_ids for t in plan.tensors if t.role == "routed_expert" and t.tier == "host"}
+    assert host_ids == {f"model.layers.{n}.mlp.experts.{w}": ids for n, ids in ((0, (2, 3, 4, 5, 6, 7)), (1, (0,)))
+                        for w in ("gate_up_proj", "down_proj")}
+    assert plan.offloaded_bytes == 131072 + 7 * 73728
+    assert freq["offloaded_bytes"] == plan.offloaded_bytes and sparse["settings"]["policy"] == "sparse-first"
+    # --stats without the frequency arm, and the frequency arm without --stats, are refused before measuring
+    rc, _, err = _cli(["bench", str(model_dir), "--arms", "sparse-first", "--offload-gb", repr(BUDGET_GB),
+                       "--stats", str(trace)], capsys)
+    assert rc == 2 and "add frequency to --arms" in err
+    rc, _, err = _cli(["bench", str(model_dir), "--arms", "frequency", "--offload-gb", repr(BUDGET_GB)], capsys)
+    assert rc == 2 and "give it --stats TRACE" in err

@@ -50,7 +50,7 @@ import torch
 from .errors import MoeOffloadError
 from .planner import format_bytes
 
-NAMED_ARMS = ("resident", "declaration", "sparse-first", "accelerate")
+NAMED_ARMS = ("resident", "declaration", "sparse-first", "frequency", "accelerate")
 DEFAULT_ARMS = "resident,declaration,sparse-first"
 DEFAULT_CONCURRENCY = "1,4"
 SHOWN_NAMES = 32  # offloaded tensor names listed in `settings`; the count is always exact
@@ -71,8 +71,10 @@ class Arm:
         if self.policy is None:
             return dict(offload_gb=0.0)
         if self.policy == "accelerate":   # the bench's own plan at this budget: accelerate_arm maps it
-            return dict(budget)
+            return {k: v for k, v in budget.items() if k != "stats"}
         kw = dict(budget, policy=self.policy)
+        if self.policy != "frequency":    # routing statistics (--stats) are the frequency arm's alone
+            kw.pop("stats", None)
         if self.offload_params:
             kw["offload_params"] = list(self.offload_params)
         return kw
@@ -92,8 +94,8 @@ def parse_arms(spec: str | Sequence[str]) -> list[Arm]:
                                       "each SEG a dotted name segment sequence such as experts or mlp.experts")
             arms.append(Arm(item, "sparse-first", segs))
         else:
-            raise MoeOffloadError(f"unknown arm {item!r}: use resident, declaration, sparse-first, accelerate or "
-                                  "explicit:SEG[+SEG...], comma-separated")
+            raise MoeOffloadError(f"unknown arm {item!r}: use resident, declaration, sparse-first, frequency, "
+                                  "accelerate or explicit:SEG[+SEG...], comma-separated")
     names = [a.name for a in arms]
     if not arms or len(set(names)) != len(names):
         raise MoeOffloadError(f"--arms {','.join(names)!r}: give each arm once, at least one")
@@ -441,7 +443,7 @@ def _resident_skip(arm: Arm, model_dir: Path, dtype, budget: dict, device: torch
     from . import plan as make_plan
 
     if budget.get("device_memory_gb") is not None:
-        p = make_plan(model_dir, dtype=dtype, **budget)
+        p = make_plan(model_dir, dtype=dtype, **{k: v for k, v in budget.items() if k != "stats"})
         if p.offloaded_bytes:
             return (f"resident skipped: the model ({format_bytes(p.total_bytes)}) does not fit "
                     f"{budget['device_memory_gb']:g} GiB of device memory with the reserve; its plan offloads "
@@ -462,7 +464,7 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str = DEFAULT_ARMS,
               dtype: str | None = None, device=None, backend: str | None = None,
               prompts: Sequence[str] | None = None,
               same_prompt: bool = False, link_gbps: float | None = None, threads: int | None = None,
-              cache_gb: float | None = None, cache_policy: str | None = None,
+              cache_gb: float | None = None, cache_policy: str | None = None, stats=None,
               progress: bool = False, log: Callable[[str], None] | None = None) -> list[dict]:
     """Measure every arm at every concurrency level; one row per (arm, concurrency), in that order.
 
@@ -471,7 +473,8 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str = DEFAULT_ARMS,
     (restored afterwards); on a small shared CPU one thread gives much steadier times.
     `cache_gb`, `cache_policy`: one device-side expert cache, the same for every arm (as `load`).
     `host_memory_gb`, `cpu_only`: three-tier planning, as for `moe_offload.plan` (the CLI sets cpu_only from
-    the device it resolves).
+    the device it resolves). `stats`: routing statistics for the `frequency` arm (layer -> decode-token picks
+    per expert, traces.expert_counts), which needs them.
     """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -507,8 +510,12 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str = DEFAULT_ARMS,
     folder = Path(model_dir)
     if not folder.is_dir():
         raise MoeOffloadError(f"{folder} is not a model folder: bench needs config.json, safetensors and a tokenizer")
+    if any(a.policy == "frequency" for a in arms) != (stats is not None):
+        raise MoeOffloadError("the frequency arm places experts by routing statistics: give it --stats TRACE "
+                              "(`moe-offload profile MODEL --out TRACE`)" if stats is None else
+                              "--stats feeds the frequency arm: add frequency to --arms, or drop --stats")
     budget = dict(offload_gb=offload_gb, device_memory_gb=device_memory_gb, reserve_gb=reserve_gb,
-                  host_memory_gb=host_memory_gb, cpu_only=cpu_only)
+                  host_memory_gb=host_memory_gb, cpu_only=cpu_only, stats=stats)
     cache_bytes, policy = cache_options(cache_gb, cache_policy)                          # before anything loads
     reserve_note(cache_bytes, policy, device_memory_gb, reserve_gb)
     if offload_gb is None and device_memory_gb is None and any(a.policy for a in arms):
@@ -520,7 +527,7 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str = DEFAULT_ARMS,
     if device_memory_gb is not None:
         from .planner import DEFAULT_RESERVE_GB
 
-        fit = make_plan(folder, dtype=dtype, **budget)
+        fit = make_plan(folder, dtype=dtype, **Arm("sparse-first", "sparse-first").load_kwargs(budget))
         if not fit.offloaded_bytes:  # as `plan` says it: every arm then measures the same unoffloaded model
             reserve = reserve_gb if reserve_gb is not None else DEFAULT_RESERVE_GB
             log(f"note: the model fits: {format_bytes(fit.total_bytes)} of weights + {reserve:g} GiB reserve <= "

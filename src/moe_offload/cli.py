@@ -53,8 +53,8 @@ def _budget_options(p: argparse.ArgumentParser, *, policy_options: bool = True, 
                               + ("; oracle: frequency with statistics from --trace itself (a floor)" if oracle
                                  else "")))
     g.add_argument("--stats", nargs="+", metavar="TRACE",
-                   help=shown("with --policy frequency: routing traces (`moe-offload profile`) whose decode tokens "
-                              "give each expert's pick frequency"))
+                   help=("with --policy frequency: " if policy_options else "for the frequency arm: ")
+                   + "routing traces (`moe-offload profile`) whose decode tokens give each expert's pick frequency")
     g.add_argument("--offload-params", nargs="+", metavar="SEG",
                    help=shown("only tensors whose name contains one of these whole dot-separated segment "
                               "sequences are eligible (`experts` matches `...mlp.experts.down_proj`)"))
@@ -283,9 +283,10 @@ def cmd_bench(args) -> int:
     from .plots import plot
     from .report import print_table
 
-    if args.policy is not None or args.offload_params or args.stats:
-        raise MoeOffloadError("bench compares policies through --arms, not --policy / --offload-params / --stats: "
-                              "use e.g. --arms declaration,sparse-first,explicit:experts")
+    if args.policy is not None or args.offload_params:
+        raise MoeOffloadError("bench compares policies through --arms, not --policy / --offload-params: "
+                              "use e.g. --arms declaration,sparse-first,explicit:experts (and frequency, with "
+                              "--stats TRACE)")
     arms = parse_arms(args.arms or DEFAULT_ARMS)
     levels = parse_concurrency(args.concurrency or DEFAULT_CONCURRENCY)
     folder = _model_path(args.model)
@@ -301,7 +302,8 @@ def cmd_bench(args) -> int:
                      host_memory_gb=args.host_memory, cpu_only=_cpu_only(args.device, check=True),
                      dtype=args.dtype, device=args.device, backend=args.backend, prompts=prompts,
                      same_prompt=args.same_prompt, link_gbps=args.link_gbps, threads=args.threads,
-                     cache_gb=args.cache_gb, cache_policy=args.cache_policy, progress=sys.stderr.isatty())
+                     cache_gb=args.cache_gb, cache_policy=args.cache_policy, stats=_stats(args.stats),
+                     progress=sys.stderr.isatty())
     to_stdout = args.json == "-"
     print_table(rows, Console(stderr=True) if to_stdout else None)  # stdout holds only the JSON with --json -
     # Both outputs or neither: the plot (the one that can fail on content) first, then the JSON.
@@ -512,8 +514,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("model", help="model folder (config.json, safetensors, tokenizer)")
     b.add_argument("--arms",
                    help="comma-separated: resident (offload nothing; skipped when it does not fit), declaration, "
-                        "sparse-first, explicit:SEG[+SEG...], accelerate (transformers + accelerate device_map='auto' "
-                        "at the same budget; rest to disk) (default: resident,declaration,sparse-first); "
+                        "sparse-first, frequency (expert by expert from --stats TRACE), explicit:SEG[+SEG...], "
+                        "accelerate (transformers + accelerate device_map='auto' at the same budget; rest to disk) "
+                        "(default: resident,declaration,sparse-first); "
                         "the arms choose the policy and selectors, so bench takes no --policy / --offload-params")
     _budget_options(b, policy_options=False)  # arms choose the policy; an explicit --policy is refused
     _runtime_options(b)
