@@ -15,6 +15,7 @@ import pytest
 
 from moe_offload.cache_policy import DEFAULT_CACHE_POLICY, POLICIES, HeatCache, cache_policy_names, make_cache
 from moe_offload.errors import BudgetError, SelectorError
+from fixtures_cli import QWEN3_CONFIG
 
 A, B, C, D = (0, 0), (1, 0), (2, 0), (3, 0)  # one expert in each of four layers: every access its own step
 
@@ -233,12 +234,7 @@ def test_belady_matches_the_brute_force_optimum():
 # --- `moe-offload replay --cache-gb` --------------------------------------------------------------------
 
 # Qwen3-MoE float32, hidden 32, 2 layers, E=4, top-k 2: one expert = gate_up 4096 B + down 2048 B = 6144 B.
-CONFIG = {
-    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
-    "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 128, "tie_word_embeddings": False,
-    "dtype": "float32",
-}
+CONFIG = QWEN3_CONFIG
 EXPERT = 6144
 # Layer 0 always picks experts 0 and 1; layer 1 alternates {0, 1} and {2, 3}. Accesses per token:
 # (0,0) (0,1) (1,x) (1,y): four experts through a cache of two.

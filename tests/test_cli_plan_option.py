@@ -6,8 +6,8 @@ import json
 import pytest
 from conftest import tiny_config_dict
 
-from moe_offload.cli import main
 from moe_offload.traces import TraceHeader, TraceRow, write_trace
+from fixtures_cli import run_cli as run
 
 
 def _config(folder, family: str, **overrides):
@@ -16,13 +16,6 @@ def _config(folder, family: str, **overrides):
     return folder / "config.json"
 
 
-def run(capsys, *argv):
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as exc:
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 @pytest.fixture

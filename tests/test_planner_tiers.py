@@ -17,12 +17,12 @@ import json
 import pytest
 
 import moe_offload as mo
-from moe_offload.cli import main
 from moe_offload.errors import BudgetError, MoeOffloadError
 from moe_offload.planner import GiB, Plan, plan
 from moe_offload.replay import replay
 from moe_offload.traces import Trace, TraceHeader, TraceRow, write_trace
 from test_planner import EMBED, FINAL_NORM, LM_HEAD, gb, layer, make_inv, with_buffer
+from fixtures_cli import QWEN3_CONFIG, run_cli as cli
 
 INV = make_inv([EMBED, *layer(0), *layer(1), FINAL_NORM, LM_HEAD])   # 2768 B
 ONE = make_inv([EMBED, *layer(0), FINAL_NORM, LM_HEAD])               # 1648 B
@@ -253,12 +253,7 @@ def test_replay_of_a_hand_trace_with_disk_experts():
 #   embedding (128, 32) 16384 B (row 128 B); per layer gate_up_proj 16384 B (4 x 4096), down_proj 8192 B
 #   (4 x 2048); all routed experts 49152 B; total 108288 B.
 
-CONFIG = {
-    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
-    "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 128, "tie_word_embeddings": False,
-    "dtype": "float32",
-}
+CONFIG = QWEN3_CONFIG
 TOTAL = 108288
 
 
@@ -266,13 +261,6 @@ def arg(nbytes: int) -> str:
     return repr(nbytes / GiB)
 
 
-def cli(capsys, *argv) -> tuple[int, str, str]:
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as exc:
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 @pytest.fixture

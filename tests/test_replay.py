@@ -15,12 +15,12 @@ import time
 import numpy as np
 import pytest
 
-from moe_offload.cli import main
 from moe_offload.errors import TraceError
 from moe_offload.planner import GiB, plan
 from moe_offload.replay import access_keys, replay, replay_routing
 from moe_offload.traces import Trace, TraceHeader, TraceRow, routing_array, write_trace
 from test_planner import EMBED, FINAL_NORM, LM_HEAD, gb, layer, make_inv
+from fixtures_cli import QWEN3_CONFIG, run_cli as run
 
 INV = make_inv([EMBED, *layer(0), *layer(1), FINAL_NORM, LM_HEAD])
 STATS = {0: [10, 0, 5, 5], 1: [3, 3, 7, 7]}
@@ -96,12 +96,7 @@ def test_replay_checks_the_trace_against_the_plan():
 
 # --- the command -----------------------------------------------------------------------------------------
 
-CONFIG = {
-    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
-    "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 128, "tie_word_embeddings": False,
-    "dtype": "float32",
-}
+CONFIG = QWEN3_CONFIG
 EXPERT = 6144
 FIELDS = {"tokens": int, "link_bytes_per_token": float, "expert_reads": int, "cache_hits": int, "cache_misses": int,
           "policy": str, "cache_policy": (str, type(None)), "offloaded_bytes": int, "cache_bytes": int,
@@ -119,13 +114,6 @@ def files(tmp_path):
     return tmp_path
 
 
-def run(capsys, *argv):
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as exc:
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def replay_json(capsys, folder, *options):

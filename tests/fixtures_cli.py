@@ -1,0 +1,33 @@
+"""The command line as a process runs it, and the config.json-alone model several CLI tests share.
+
+Imported explicitly (not a conftest). QWEN3_CONFIG is a Qwen3-MoE float32 config (hidden 32, 2 layers, E=4,
+top-k 2, vocab 128):
+
+    model.embed_tokens.weight         (128, 32)   16384 B   (one row: 128 B)
+    per layer mlp.experts.gate_up_proj (4, 32, 32)  16384 B = 4 x 4096 B
+              mlp.experts.down_proj    (4, 32, 16)   8192 B = 4 x 2048 B   (one expert: 6144 B)
+    whole model 108288 B
+"""
+
+from __future__ import annotations
+
+from moe_offload.cli import main
+
+QWEN3_CONFIG = {
+    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
+    "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 128, "tie_word_embeddings": False,
+    "dtype": "float32",
+}
+QWEN3_TOTAL = 108288
+QWEN3_EXPERT = 6144
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    """main() as a process would run it: (exit status, stdout, stderr)."""
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as exc:   # argparse usage errors
+        rc = exc.code
+    out, err = capsys.readouterr()
+    return rc, out, err
