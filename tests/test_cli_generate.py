@@ -132,12 +132,12 @@ def test_generate_on_an_invalid_config_says_the_config_is_not_json(capsys, model
 
 
 def test_generate_refuses_an_empty_prompt_before_loading(capsys, model_dir, monkeypatch):
-    from moe_offload import cli
+    from moe_offload import commands
 
     def loaded(*args, **kwargs):
         raise AssertionError("generate loaded the model for an empty prompt")
 
-    monkeypatch.setattr(cli, "load_for_cli", loaded)
+    monkeypatch.setattr(commands, "load_for_cli", loaded)
     code, out, err = _run(capsys, "generate", model_dir, "--prompt", "")
     assert code == 2 and out == "" and err.count("\n") == 1
     assert err.startswith('error: --prompt "" is empty')
