@@ -94,7 +94,7 @@ def plan_frequency(inv: Inventory, roles: Sequence[Role], stats: Mapping[int, Se
     # The one filling loop (tiers.py), strict order, whole units: off the device, then on to disk.
     order = [Unit(pos, u[4], u[0], u[1]) for pos, u in enumerate(units)]
     off = fill(order, target, slice_=False)
-    on_disk = cut_to_disk(order, off, room, slice_=False, room_label=room_label,
+    on_disk = cut_to_disk(order, off, room, room_label=room_label,
                           movable=lambda pos: units[pos][5] is not None or not records[units[pos][2]].is_buffer).taken
     host: dict[int, set[int]] = {layer: set() for layer in fused}   # layer -> experts off the device
     disk: dict[int, set[int]] = {layer: set() for layer in fused}   # layer -> those of them on disk

@@ -38,7 +38,7 @@ from .inventory import Inventory, TensorRecord
 # The plan's data types live in placement.py; they are re-exported here, where users have always imported them.
 from .placement import GiB, PLAN_FORMAT, Plan, PlannedTensor, Policy, Tier, format_bytes  # noqa: F401
 from .roles import Role, assign, family_note
-from .tiers import Unit, cut_to_disk, disk_reason, fill, place, tier_notes
+from .tiers import Unit, cut_to_disk, disk_reason, fill, tier_notes
 
 DEFAULT_RESERVE_GB = 2.0  # activations + KV cache kept free with --device-memory, unless --reserve-gb says otherwise
 
@@ -210,8 +210,7 @@ def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: f
     off = fill(units, target, slice_=sparse)
     # The disk cut moves whole units (a tensor, or the experts the device cut took of one): the disk tier reads
     # a tensor's experts from disk or from memory, not both (disk_tier.py), so every plan made here loads.
-    disk = cut_to_disk(units, off, room, slice_=False, movable=lambda i: not records[i].is_buffer,
-                       room_label=room_label).taken
+    disk = cut_to_disk(units, off, room, movable=lambda i: not records[i].is_buffer, room_label=room_label).taken
     offloaded = set(off.taken)
     split = {i: n for i, n in off.taken.items() if n}   # index -> experts off the device, for a tensor in part
     done, last = off.done, off.last
@@ -219,15 +218,14 @@ def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: f
     tensors = []
     for i, (r, role) in enumerate(zip(records, roles)):
         routed = role == Role.ROUTED_EXPERT
-        tier, host_n, disk_ids = place(r.shape[0] if r.shape else 0, split.get(i, 0), disk.get(i)) \
-            if i in offloaded else (Tier.DEVICE, 0, ())
+        tier = (Tier.DISK if i in disk else Tier.HOST) if i in offloaded else Tier.DEVICE
         reason = _reason(i in offloaded, policy_, role, density(i), selectors and i in eligible)
         if i in split:
             reason = (f"offloaded in part: its last {split[i]} of {r.shape[0]} experts, the slice that met the "
                       "budget")
         t = PlannedTensor(r.name, r.shape, r.dtype, r.bytes, r.layer, r.component, role.value, r.is_buffer,
                           inv.num_experts if routed else None, inv.top_k if routed else None, tier.value, reason,
-                          host_n, (), disk_ids)
+                          split.get(i, 0))
         tensors.append(dataclasses.replace(t, reason=disk_reason(t, density(i), room)) if i in disk else t)
 
     notes += _notes(records, roles, offloaded, target, done, last, policy_, eligible, split)

@@ -13,12 +13,12 @@ run time. The room is host_memory_gb; on a CPU-only machine the device *is* host
 device_memory_gb alone bounds the RAM the weights hold and the room is 0: everything that does not
 fit goes to disk (`Budget.host_room`). Without either the host tier is unbounded (two tiers).
 
-Sparse-first may end the device cut inside one fused expert tensor, by its last experts; the planner
-runs the disk cut on whole units (a tensor, or the experts the device cut took of one), since the disk tier
-reads a tensor's experts from disk or from memory, not both. The data model (`place`; PlannedTensor's
-host_experts = n experts off the device, disk_expert_ids = the last m of them) also holds a tensor in all
-three tiers: device [0, E-n), host [E-n, E-m), disk [E-m, E), for `cut_to_disk(slice_=True)`. The
-declaration order and explicit selectors move whole tensors; frequency units are whole experts.
+Sparse-first may end the device cut inside one fused expert tensor, by its last experts; the disk cut
+moves whole units (a tensor, or the experts the device cut took of one), since the disk tier reads a
+tensor's experts from disk or from memory, not both. (PlannedTensor's data model, host_experts = n experts
+off the device and disk_expert_ids = the part of them on disk, also holds a tensor in all three tiers, as a
+saved plan may.) The declaration order and explicit selectors move whole tensors; frequency units are whole
+experts, so a frequency plan may put some experts of one layer in host memory and others on disk.
 Buffers never go to disk (a checkpoint need not store them): they stay in host memory.
 """
 
@@ -82,10 +82,11 @@ def fill(units: Sequence[Unit], target: int, *, slice_: bool) -> Fill:
     return Fill(taken, done, last)
 
 
-def cut_to_disk(units: Sequence[Unit], off: Fill, room: int | None, *, slice_: bool,
-                movable: Callable[[int], bool], room_label: str) -> Fill:
-    """Of what `off` took off the device, the first bytes in the order of `units` go to disk until the host
-    holds at most `room` bytes. Keys absent from the result stay on the host. `movable(key)`: may go to disk."""
+def cut_to_disk(units: Sequence[Unit], off: Fill, room: int | None, *, movable: Callable[[int], bool],
+                room_label: str) -> Fill:
+    """Of what `off` took off the device, the first units in the order of `units` go to disk, whole, until the
+    host holds at most `room` bytes (the overshoot is below one unit). Keys absent from the result stay on the
+    host. `movable(key)`: may go to disk."""
     need = off.done - room if room is not None else 0
     if need <= 0:
         return Fill({}, 0, None)
@@ -94,8 +95,8 @@ def cut_to_disk(units: Sequence[Unit], off: Fill, room: int | None, *, slice_: b
         if u.key not in off.taken or not movable(u.key):
             continue
         n = off.taken[u.key]
-        # What went in part offers its n experts off the device (the last n): disk may take the last m of them.
-        left.append(Unit(u.key, u.nbytes // u.experts * n, u.density, u.dense, n) if n else u)
+        # What went in part offers its n experts off the device (the last n), together.
+        left.append(Unit(u.key, u.nbytes // u.experts * n, u.density, u.dense) if n else u)
     movable_bytes = sum(u.nbytes for u in left)
     if need > movable_bytes:
         stay = off.done - movable_bytes
@@ -104,21 +105,7 @@ def cut_to_disk(units: Sequence[Unit], off: Fill, room: int | None, *, slice_: b
             f"holds {room} bytes, so {need} bytes must go to disk, but only {movable_bytes} bytes of it may "
             f"(buffers are not read from the checkpoint: {stay} bytes must stay in host memory); give "
             f"host_memory_gb={stay / GiB:.6g} or more, or a larger device budget")
-    return fill(left, need, slice_=slice_)
-
-
-def place(experts: int, off: int, disk: int | None) -> tuple[Tier, int, tuple[int, ...]]:
-    """(tier, host_experts, disk_expert_ids) of an offloaded tensor of `experts` experts (placement.py's fields:
-    host_experts counts the experts off the device, its last ones; 0 for a whole tensor).
-
-    off: experts off the device, its last ones (0: the whole tensor left); disk: None (nothing on disk),
-    0 (all it offloaded is on disk), or m (its last m experts are; the others off the device are in memory)."""
-    if disk is None:
-        return Tier.HOST, off, ()
-    if not disk:
-        return Tier.DISK, off, ()
-    n = off or experts
-    return Tier.DISK, n, tuple(range(experts - disk, experts))
+    return fill(left, need, slice_=False)
 
 
 def disk_reason(t: PlannedTensor, density: float, room: int) -> str:
