@@ -67,14 +67,15 @@ class Arm:
     policy: str | None               # None: resident (offload nothing); "accelerate": transformers + accelerate
     offload_params: tuple[str, ...] = ()
 
-    def load_kwargs(self, budget: dict) -> dict:
+    def load_kwargs(self, budget: dict, stats=None) -> dict:
+        """`stats`: the routing statistics the frequency arm places by (the other arms take none)."""
         if self.policy is None:
             return dict(offload_gb=0.0)
         if self.policy == "accelerate":   # the bench's own plan at this budget: accelerate_arm maps it
-            return {k: v for k, v in budget.items() if k != "stats"}
+            return dict(budget)
         kw = dict(budget, policy=self.policy)
-        if self.policy != "frequency":    # routing statistics (--stats) are the frequency arm's alone
-            kw.pop("stats", None)
+        if self.policy == "frequency":
+            kw["stats"] = stats
         if self.offload_params:
             kw["offload_params"] = list(self.offload_params)
         return kw
@@ -443,7 +444,7 @@ def _resident_skip(arm: Arm, model_dir: Path, dtype, budget: dict, device: torch
     from . import plan as make_plan
 
     if budget.get("device_memory_gb") is not None:
-        p = make_plan(model_dir, dtype=dtype, **{k: v for k, v in budget.items() if k != "stats"})
+        p = make_plan(model_dir, dtype=dtype, **budget)
         if p.offloaded_bytes:
             return (f"resident skipped: the model ({format_bytes(p.total_bytes)}) does not fit "
                     f"{budget['device_memory_gb']:g} GiB of device memory with the reserve; its plan offloads "
@@ -515,7 +516,7 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str = DEFAULT_ARMS,
                               "(`moe-offload profile MODEL --out TRACE`)" if stats is None else
                               "--stats feeds the frequency arm: add frequency to --arms, or drop --stats")
     budget = dict(offload_gb=offload_gb, device_memory_gb=device_memory_gb, reserve_gb=reserve_gb,
-                  host_memory_gb=host_memory_gb, cpu_only=cpu_only, stats=stats)
+                  host_memory_gb=host_memory_gb, cpu_only=cpu_only)
     cache_bytes, policy = cache_options(cache_gb, cache_policy)                          # before anything loads
     reserve_note(cache_bytes, policy, device_memory_gb, reserve_gb)
     if offload_gb is None and device_memory_gb is None and any(a.policy for a in arms):
@@ -527,7 +528,7 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str = DEFAULT_ARMS,
     if device_memory_gb is not None:
         from .planner import DEFAULT_RESERVE_GB
 
-        fit = make_plan(folder, dtype=dtype, **Arm("sparse-first", "sparse-first").load_kwargs(budget))
+        fit = make_plan(folder, dtype=dtype, **budget)
         if not fit.offloaded_bytes:  # as `plan` says it: every arm then measures the same unoffloaded model
             reserve = reserve_gb if reserve_gb is not None else DEFAULT_RESERVE_GB
             log(f"note: the model fits: {format_bytes(fit.total_bytes)} of weights + {reserve:g} GiB reserve <= "
@@ -542,7 +543,7 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str = DEFAULT_ARMS,
             if reason:
                 log(reason)
                 continue
-        check_capacity(cache_bytes, make_plan(folder, dtype=dtype, **arm.load_kwargs(budget)))
+        check_capacity(cache_bytes, make_plan(folder, dtype=dtype, **arm.load_kwargs(budget, stats)))
         active.append(arm)
     if not active:
         raise MoeOffloadError("no arm can run at this budget (reasons above): add an arm that offloads, e.g. "
@@ -566,7 +567,7 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str = DEFAULT_ARMS,
                     from .accelerate_arm import bench_rows
 
                     rows += bench_rows(
-                        folder, make_plan(folder, dtype=dtype, **arm.load_kwargs(budget)), dev, dtype=dtype,
+                        folder, make_plan(folder, dtype=dtype, **arm.load_kwargs(budget, stats)), dev, dtype=dtype,
                         tokenizer=tokenizer, levels=levels, prompts=prompts, same_prompt=same_prompt, runs=runs,
                         max_new_tokens=max_new_tokens, link_gbps=link_gbps, budget_label=label,
                         describe=lambda what: bar.update(task, description=f"{arm.name} {what}"),
@@ -576,7 +577,7 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str = DEFAULT_ARMS,
 
                 tracked, first_row = reset_peak_rss(), len(rows)   # peak RSS over this arm's load and runs
                 model, applied = load(folder, device=dev, backend=backend, dtype=dtype, cache_gb=cache_gb,
-                                      cache_policy=cache_policy, **arm.load_kwargs(budget))
+                                      cache_policy=cache_policy, **arm.load_kwargs(budget, stats))
                 try:
                     for c in levels:
                         batch = _batch_prompts(prompts, c, same_prompt)

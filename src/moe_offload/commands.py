@@ -69,14 +69,23 @@ def _model_path(value: str) -> Path:
     return path
 
 
-def _read_plan_of(plan_path: str, model_arg: str, path: Path):
+def _read_plan_of(args, path: Path, *, also: tuple = ()):
     """--plan PLAN.json, checked to be a plan of MODEL: the same tensor names both ways, so a plan of another
     model (or of another depth of the same family) is an error, not a placement silently applied to the wrong
-    tensors."""
+    tensors. Options that would also decide the placement (the budget options, and the command's own `also`:
+    (flag, value) pairs) are refused beside it."""
     from .errors import PlanMismatchError
     from .inventory import inventory
     from .planner import Plan
 
+    given = [opt for opt, v in (("--offload-gb", args.offload_gb), ("--device-memory", args.device_memory),
+                                ("--reserve-gb", args.reserve_gb), ("--host-memory", args.host_memory),
+                                ("--offload-params", args.offload_params), ("--stats", args.stats),
+                                ("--dtype", args.dtype), *also) if v is not None]
+    if given or args.policy != "sparse-first":
+        raise MoeOffloadError(f"--plan and {', '.join(given) or '--policy'} both decide the placement: give "
+                              "--plan alone, or budget options without it")
+    plan_path, model_arg = args.plan, args.model
     try:
         plan = Plan.from_json(Path(plan_path).read_text())
     except OSError as exc:
@@ -270,14 +279,7 @@ def cmd_replay(args) -> int:
     budget = dict(offload_gb=args.offload_gb, device_memory_gb=args.device_memory, reserve_gb=args.reserve_gb,
                   host_memory_gb=args.host_memory)
     if args.plan:
-        given = [opt for opt, v in (("--offload-gb", args.offload_gb), ("--device-memory", args.device_memory),
-                                    ("--reserve-gb", args.reserve_gb), ("--host-memory", args.host_memory),
-                                    ("--offload-params", args.offload_params), ("--stats", args.stats),
-                                    ("--dtype", args.dtype), ("--device", args.device)) if v is not None]
-        if given or args.policy != "sparse-first":
-            raise MoeOffloadError(f"--plan and {', '.join(given) or '--policy'} both decide the placement: give "
-                                  "--plan alone, or budget options without it")
-        plan = _read_plan_of(args.plan, args.model, path)
+        plan = _read_plan_of(args, path, also=(("--device", args.device),))
     else:
         inv = inventory(path, dtype=args.dtype)
         layers = routed_layers(inv)
@@ -339,14 +341,7 @@ def cmd_export(args) -> int:
     path = _model_path(args.model)
     config = read_config(path)
     if args.plan:
-        given = [opt for opt, v in (("--offload-gb", args.offload_gb), ("--device-memory", args.device_memory),
-                                    ("--reserve-gb", args.reserve_gb), ("--host-memory", args.host_memory),
-                                    ("--offload-params", args.offload_params), ("--stats", args.stats),
-                                    ("--dtype", args.dtype), ("--batch", args.batch)) if v is not None]
-        if given or args.policy != "sparse-first":
-            raise MoeOffloadError(f"--plan and {', '.join(given) or '--policy'} both decide the placement: give "
-                                  "--plan alone, or budget options without it")
-        plan = _read_plan_of(args.plan, args.model, path)
+        plan = _read_plan_of(args, path, also=(("--batch", args.batch),))
     else:
         plan = make_plan(path, dtype=args.dtype, batch=args.batch or 1, **_budget_kwargs(args))
     text = getattr(config, "text_config", None) or config
