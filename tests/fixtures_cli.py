@@ -11,6 +11,9 @@ top-k 2, vocab 128):
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from moe_offload.cli import main
 
 QWEN3_CONFIG = {
@@ -31,3 +34,12 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
         rc = exc.code
     out, err = capsys.readouterr()
     return rc, out, err
+
+
+def unwritable_dir(tmp_path: Path) -> Path:
+    """A directory nothing can be created in: a read-only folder, or /sys for root (whom mode bits do not stop)."""
+    if os.geteuid() == 0:
+        return Path("/sys")
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o500)
+    return folder

@@ -164,3 +164,21 @@ def load(folder, **kw):
     import moe_offload as mo
 
     return mo.load(folder, **{"device": "cpu", **kw})
+
+
+def subset_plan(folder, ids_of):
+    """A plan of `folder` with the experts `ids_of(t)` of every routed-expert tensor t on the host (None: the
+    tensor stays resident), any subset, as saved and read back."""
+    import dataclasses
+
+    import moe_offload as mo
+    from moe_offload.planner import Plan
+
+    plan = mo.plan(folder, offload_gb=0)
+    tensors = []
+    for t in plan.tensors:
+        ids = ids_of(t) if t.role == "routed_expert" else None
+        if ids is not None:
+            t = dataclasses.replace(t, tier="host", host_experts=len(ids), host_expert_ids=tuple(ids))
+        tensors.append(t)
+    return Plan.from_json(dataclasses.replace(plan, tensors=tuple(tensors)).to_json())

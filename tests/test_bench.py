@@ -34,6 +34,7 @@ from moe_offload.cli import main
 from moe_offload.errors import MoeOffloadError
 from moe_offload.planner import GiB, matches_selector
 from moe_offload.tiny import make_tiny
+from fixtures_cli import unwritable_dir
 
 EXPERTS_L0 = 393216 + 196608
 BUDGET_GB = EXPERTS_L0 / GiB          # exact in binary: the planner's target is 589824 B
@@ -342,17 +343,6 @@ def test_a_model_that_fits_the_device_memory_says_so(model_dir):
     assert len(notes) == 1 and "no arm offloads anything" in notes[0]
 
 
-def _unwritable_dir(tmp_path: Path) -> Path:
-    """A directory nothing can be created in: a read-only folder, or /sys for root (whom mode bits do not stop)."""
-    import os
-
-    if os.geteuid() == 0:
-        return Path("/sys")
-    folder = tmp_path / "read-only"
-    folder.mkdir(mode=0o500)
-    return folder
-
-
 @pytest.mark.parametrize("option, where, message", [
     ("--json", "a-directory", "is a directory"),
     ("--json", "unwritable", "not writable"),
@@ -370,7 +360,7 @@ def test_cli_output_paths_are_checked_before_measuring(model_dir, tmp_path, caps
     (tmp_path / "a-file").write_text("")
     name = "b.json" if option == "--json" else "b.png"
     path = {"a-directory": tmp_path, "a-directory.png": tmp_path / "charts.png", "missing-folder": tmp_path / "no" / name,
-            "unwritable": _unwritable_dir(tmp_path) / name, "through-a-file": tmp_path / "a-file" / name}[where]
+            "unwritable": unwritable_dir(tmp_path) / name, "through-a-file": tmp_path / "a-file" / name}[where]
     if where == "a-directory.png":
         path.mkdir()
     rc, out, err = _cli(["bench", str(model_dir), "--device", "cpu", "--offload-gb", repr(BUDGET_GB), option,

@@ -13,14 +13,13 @@ stale copies; belady and bad sizes refused (exit 2 on the command line); reports
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
 import torch
 
 import moe_offload as mo
-from fixtures_models import BACKENDS, EXPERTS, FAMILIES, budgets, prompt_ids, reference_model
+from fixtures_models import BACKENDS, EXPERTS, FAMILIES, budgets, prompt_ids, reference_model, subset_plan
 from moe_offload.cache_policy import DEFAULT_CACHE_POLICY, cache_policy_names
 from moe_offload.cli import main
 from moe_offload.errors import BudgetError, SelectorError
@@ -73,18 +72,6 @@ def _load(folder, cache_bytes, backend="uva", **kw):
 
 def _equal(got, want) -> bool:
     return all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-
-
-def subset_plan(folder, ids_of) -> Plan:
-    """Routed-expert tensors with experts ids_of(t) on the host (None: resident), as saved and read back."""
-    plan = mo.plan(folder, offload_gb=0)
-    tensors = []
-    for t in plan.tensors:
-        ids = ids_of(t) if t.role == "routed_expert" else None
-        if ids is not None:
-            t = dataclasses.replace(t, tier="host", host_experts=len(ids), host_expert_ids=tuple(ids))
-        tensors.append(t)
-    return Plan.from_json(dataclasses.replace(plan, tensors=tuple(tensors)).to_json())
 
 
 # gpt-oss, per tensor its own host experts in layer 1 (expert 4 in all four, 0 in two, 1 in one ...), all of

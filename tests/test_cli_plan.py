@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 import moe_offload as mo
-from moe_offload.cli import main
+from fixtures_cli import run_cli as run
 from moe_offload.planner import GiB, Plan
 
 CONFIG = {
@@ -58,16 +58,6 @@ def model_dir(tmp_path) -> Path:
     d.mkdir()
     (d / "config.json").write_text(json.dumps({**CONFIG, "dtype": "float32"}))
     return d
-
-
-def run(capsys, *argv) -> tuple[int, str, str]:
-    """main() as a process would run it: (exit status, stdout, stderr)."""
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as exc:   # argparse usage errors
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def flat(text: str) -> str:

@@ -126,19 +126,24 @@ def _routing(model):
     return calls
 
 
-def test_only_selected_experts_are_read(folders):
-    """qwen3_moe stores one tensor per expert and matrix: a decode step reads exactly the gate, up and down
-    tensors of the experts its router picked in each layer, nothing else."""
-    folder = folders["qwen3_moe"]
+def _one_decode_step(folder):
+    """Every routed expert of `folder` on disk: prefill, then one decode step whose routing is recorded and
+    whose disk reads are spied on. (plan, runtime, the decode step's RoutedCall, the spy)."""
     model, plan = load(folder, plan=disk_plan(folder, lambda t: t.role == "routed_expert"))
     rt = model.moe_offload_runtime
-    ids = prompt_ids(folder)
     with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True)
+        out = model(input_ids=prompt_ids(folder), use_cache=True)
         calls = _routing(model)
         spy = _Spy(rt.disk)
         model(input_ids=out.logits[:, -1:].argmax(-1), cache=out.past_key_values, use_cache=True)
     (call,) = calls
+    return plan, rt, call, spy
+
+
+def test_only_selected_experts_are_read(folders):
+    """qwen3_moe stores one tensor per expert and matrix: a decode step reads exactly the gate, up and down
+    tensors of the experts its router picked in each layer, nothing else."""
+    plan, rt, call, spy = _one_decode_step(folders["qwen3_moe"])
     assert call.decode and set(call.experts) == {0, 1}
     want = {f"model.layers.{layer}.mlp.experts.{e}.{m}.weight" for layer, index in call.experts.items()
             for e in torch.unique(index).tolist() for m in ("gate_proj", "up_proj", "down_proj")}
@@ -150,16 +155,7 @@ def test_only_selected_experts_are_read(folders):
 def test_fused_layout_reads_runs_of_selected_ids(folders):
     """gpt-oss stores each routed tensor fused [E, ...]: a decode step reads one range per run of consecutive
     selected ids, exactly those experts' bytes."""
-    folder = folders["gpt_oss"]
-    model, plan = load(folder, plan=disk_plan(folder, lambda t: t.role == "routed_expert"))
-    rt = model.moe_offload_runtime
-    ids = prompt_ids(folder)
-    with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True)
-        calls = _routing(model)
-        spy = _Spy(rt.disk)
-        model(input_ids=out.logits[:, -1:].argmax(-1), cache=out.past_key_values, use_cache=True)
-    (call,) = calls
+    plan, rt, call, spy = _one_decode_step(folders["gpt_oss"])
     want = []
     for layer, index in call.experts.items():
         selected = torch.unique(index).tolist()

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import moe_offload as mo
+import fixtures_models
 from fixtures_models import BACKENDS, EXPERTS, FAMILIES, prompt_ids, reference_model, run
 from moe_offload.errors import MoeOffloadError
 from moe_offload.planner import Plan
@@ -41,15 +42,8 @@ def references(models):
 
 
 def subset_plan(folder, ids_of=lambda t: HOST_IDS[t.layer % 2]) -> Plan:
-    """Every routed-expert tensor of the language model with experts `ids_of(t)` on the host (None: resident)."""
-    plan = mo.plan(folder, offload_gb=0)
-    tensors = []
-    for t in plan.tensors:
-        ids = ids_of(t) if t.role == "routed_expert" else None
-        if ids is not None:
-            t = dataclasses.replace(t, tier="host", host_experts=len(ids), host_expert_ids=tuple(ids))
-        tensors.append(t)
-    return Plan.from_json(dataclasses.replace(plan, tensors=tuple(tensors)).to_json())   # as saved and read back
+    """fixtures_models.subset_plan, by default with HOST_IDS of each layer on the host."""
+    return fixtures_models.subset_plan(folder, ids_of)
 
 
 def hand_count(plan: Plan, calls) -> list[int]:

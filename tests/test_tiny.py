@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from moe_offload.prompts import CORPUS, PROMPTS
 from moe_offload.tiny import AUTO_CLASSES, FAMILIES, make_tiny
+from fixtures_cli import unwritable_dir
 
 REQUIRED_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen3_vl_moe")
 
@@ -203,17 +204,6 @@ def test_family_specific_limits(tmp_path):
         make_tiny(tmp_path / "m", family="deepseek_v3", experts=1, top_k=1)
 
 
-def _unwritable_dir(tmp_path: Path) -> Path:
-    """A directory nothing can be created in: a read-only folder, or /sys for root (whom mode bits do not stop)."""
-    import os
-
-    if os.geteuid() == 0:
-        return Path("/sys")
-    folder = tmp_path / "read-only"
-    folder.mkdir(mode=0o500)
-    return folder
-
-
 @pytest.fixture
 def never_built(monkeypatch):
     """make_tiny must refuse its target before building anything (the tokenizer is trained first)."""
@@ -229,7 +219,7 @@ def never_built(monkeypatch):
 def test_target_that_cannot_be_written_is_refused_first(tmp_path, never_built, where):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    target = {"unwritable": _unwritable_dir(tmp_path) / "m", "unwritable-nested": _unwritable_dir(tmp_path) / "a" / "m",
+    target = {"unwritable": unwritable_dir(tmp_path) / "m", "unwritable-nested": unwritable_dir(tmp_path) / "a" / "m",
               "through-a-file": blocker / "sub" / "m"}[where]
     expected = NotADirectoryError if where == "through-a-file" else PermissionError
     with pytest.raises(expected, match="cannot write a tiny model to .*Fix:") as err:
@@ -246,7 +236,7 @@ def test_make_tiny_cli_unwritable_path_is_one_error_line(tmp_path, capsys, never
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    target = {"unwritable": _unwritable_dir(tmp_path) / "x", "through-a-file": blocker / "x", "a-file": blocker}[where]
+    target = {"unwritable": unwritable_dir(tmp_path) / "x", "through-a-file": blocker / "x", "a-file": blocker}[where]
     assert main(["make-tiny", str(target), "--family", "qwen3_moe"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
