@@ -97,7 +97,8 @@ def _audit_split(t, live, runtime, arena, device) -> list[Mismatch]:
     """A tensor split between tiers: the model holds the host stack (checked above by address); the
     resident stack must be one device tensor of the other experts, and the index map the plan's."""
     experts = t.shape[0]
-    resident_ids = tuple(e for e in range(experts) if e not in set(t.host_ids))
+    host_ids = set(t.host_ids)
+    resident_ids = tuple(e for e in range(experts) if e not in host_ids)
     label = _stack_label(t.name, resident_ids)
     resident_bytes = t.bytes // experts * len(resident_ids)
     split = (runtime.splits if runtime is not None else {}).get(t.name)

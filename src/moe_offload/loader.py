@@ -312,7 +312,8 @@ def _stream_checkpoint(folder: Path, model: nn.Module, targets, splits, by_name,
                     host = targets[target][0] if target in targets else None   # None: a disk-tier split
                     split = splits.get(target)
                     if split is not None and host is None and slot.expert is not None \
-                            and split.where(slot.expert)[0] == Tier.HOST.value:
+                            and slot.expert < split.num_experts \
+                            and split.where(slot.expert)[0] == Tier.HOST.value:   # (out of range: refused below)
                         continue                      # this expert of a disk-tier split stays on disk
                     like = host if host is not None else split.resident
                     full_shape = by_name[target].shape if q is None else (q.scale_shape if is_scale else q.data_shape)

@@ -91,28 +91,31 @@ class ExpertSplit:
     num_experts: int
     on_host: torch.Tensor = field(init=False, repr=False, compare=False)   # [E] bool
     row: torch.Tensor = field(init=False, repr=False, compare=False)       # [E] int64
+    resident_ids: tuple[int, ...] = field(init=False, repr=False, compare=False)   # the others, ascending
+    # The same index map on the host, for the loader's per-checkpoint-tensor lookups (no device round trip,
+    # no O(E) search per expert): expert e -> (tier, row in that tier's stack).
+    _places: tuple[tuple[str, int], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        from .placement import Tier
+
+        host = set(self.host_ids)
+        resident = tuple(e for e in range(self.num_experts) if e not in host)
+        places = [None] * self.num_experts
+        for tier, ids in ((Tier.HOST.value, self.host_ids), (Tier.DEVICE.value, resident)):
+            for row, e in enumerate(ids):
+                places[e] = (tier, row)
         on_host = torch.zeros(self.num_experts, dtype=torch.bool)
         on_host[list(self.host_ids)] = True
-        row = torch.empty(self.num_experts, dtype=torch.long)
-        row[on_host] = torch.arange(int(on_host.sum()))
-        row[~on_host] = torch.arange(self.num_experts - int(on_host.sum()))
+        row = torch.tensor([r for _, r in places], dtype=torch.long)
+        object.__setattr__(self, "resident_ids", resident)
+        object.__setattr__(self, "_places", tuple(places))
         object.__setattr__(self, "on_host", on_host.to(self.resident.device))
         object.__setattr__(self, "row", row.to(self.resident.device))
 
-    @property
-    def resident_ids(self) -> tuple[int, ...]:
-        host = set(self.host_ids)
-        return tuple(e for e in range(self.num_experts) if e not in host)
-
     def where(self, expert: int) -> tuple[str, int]:
         """(tier, row in that tier's stack) of one expert."""
-        from .planner import Tier
-
-        if expert in self.host_ids:
-            return Tier.HOST.value, self.host_ids.index(expert)
-        return Tier.DEVICE.value, self.resident_ids.index(expert)
+        return self._places[expert]
 
 
 def expert_runs(ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
