@@ -1,7 +1,7 @@
 """What a device-side expert cache saves: link bytes per decoded token for no cache, lru, lfu, heat, belady.
 
-Every number is counted by `replay` (moe_offload.replay): the decode tokens of a routing trace
-are replayed through a placement and a cache (moe_offload.cache_policy, the same objects the
+Every number is counted by `replay` (moe_offload.routing.replay): the decode tokens of a routing trace
+are replayed through a placement and a cache (moe_offload.routing.cache_policy, the same objects the
 runtime drives), and the bytes that would cross the host link are summed from the model's
 tensor sizes. Nothing is timed and nothing is estimated from model size: bytes per token is
 (offloaded dense bytes + the bytes of every picked offloaded expert the cache missed) / tokens.
@@ -41,10 +41,10 @@ from rich.console import Console
 from rich.table import Table
 
 import moe_offload as mo
-from moe_offload.cache_policy import DEFAULT_CACHE_POLICY
-from moe_offload.planner import GiB, format_bytes
-from moe_offload.replay import replay
-from moe_offload.traces import Trace, TraceHeader, TraceRow, read_trace, write_trace
+from moe_offload.routing.cache_policy import DEFAULT_CACHE_POLICY
+from moe_offload.planning.planner import GiB, format_bytes
+from moe_offload.routing.replay import replay
+from moe_offload.formats.traces import Trace, TraceHeader, TraceRow, read_trace, write_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINED = ROOT / "models" / "trained-qwen3moe"
@@ -123,7 +123,7 @@ def _sizes(model: Path) -> tuple[int, int]:
 def placements(case: Case) -> list[tuple[str, "mo.Plan"]]:
     """Each budget is the embedding table (density 1/vocab: both policies offload it first) plus a share of the
     routed-expert bytes, so that what is offloaded beyond one embedding row per token is experts alone."""
-    from moe_offload.traces import expert_counts
+    from moe_offload.formats.traces import expert_counts
 
     experts, embedding = _sizes(case.model)
     gb = lambda share: (embedding + share * experts) / GiB  # noqa: E731
@@ -142,8 +142,8 @@ def hindsight_misses(plan, trace: Trace, slots: list[int]) -> dict[int, tuple[in
     new to a sequence's set loaded at its first use there: what a cache would read if it knew how often
     each request will use each expert (a floor for caches that track frequencies, however fast they adapt).
     Both are real (clairvoyant) caches, so belady reads no more than either."""
-    from moe_offload.replay import access_keys
-    from moe_offload.traces import routing_array
+    from moe_offload.routing.replay import access_keys
+    from moe_offload.formats.traces import routing_array
 
     tb = plan.token_bytes()
     rows = trace.decode_rows

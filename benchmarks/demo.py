@@ -8,7 +8,7 @@ Runs in one to two minutes on a 2-core CPU:
      demo-out/bench.json and demo-out/bench.png,
   5. sums up the measured link bytes per token of declaration against sparse-first.
 
-Everything goes through the real command (`moe_offload.cli.main`); every number is measured.
+Everything goes through the real command (`moe_offload.cli.main.main`); every number is measured.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from rich.console import Console
 from rich.markup import escape
 
 import moe_offload as mo
-from moe_offload.cli import main as cli
-from moe_offload.planner import GiB, format_bytes
+from moe_offload.cli.main import main as cli
+from moe_offload.planning.planner import GiB, format_bytes
 from moe_offload.prompts import PROMPTS
-from moe_offload.tiny import make_tiny
+from moe_offload.tiny.make import make_tiny
 
 OUT = Path(__file__).resolve().parent.parent / "demo-out"
 MODEL = OUT / "model"

@@ -45,7 +45,7 @@ GiB = 1 << 30
 def ensure_model(folder: Path) -> Path:
     if (folder / "config.json").is_file():
         return folder
-    from moe_offload.tiny import make_tiny
+    from moe_offload.tiny.make import make_tiny
 
     print(f"making {folder.name} (once; cached) ...", file=sys.stderr)
     return make_tiny(folder, progress=True, **SHAPE)
@@ -130,9 +130,9 @@ class _Meter:
 def child(arm: str, folder: Path, budget_gb: float, reserve_gb: float, tokens: int, threads: int) -> dict:
     import torch
 
-    from moe_offload.accelerate_arm import AccelerateArm, peak_rss_bytes, reset_peak_rss
-    from moe_offload.bench import _greedy
-    from moe_offload.loader import load, load_tokenizer
+    from moe_offload.measure.accelerate_arm import AccelerateArm, peak_rss_bytes, reset_peak_rss
+    from moe_offload.measure.bench import _greedy
+    from moe_offload.loading.loader import load, load_tokenizer
 
     # One thread by default: on this shared 2-core VM two OpenMP threads make small kernels (the eager experts
     # loop's index_add_) 1000x slower when the other core is busy.

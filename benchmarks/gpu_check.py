@@ -13,7 +13,7 @@ checks: a dry run of the script itself (a minute or two on 2 cores).
 Models, made with make_tiny in a temporary folder (default hidden 512, 8 layers, 32 experts, top-2):
 qwen3_moe bf16; qwen3_moe FP8 (block-scaled); gpt_oss MXFP4. Loads, at half the model's bytes offloaded:
 - bf16: all resident; sparse-first and declaration order with uva and prefetch; a frequency plan from a
-  profiled trace (`moe_offload.profile.profile`, `policy="frequency"`, `stats=traces.expert_counts`), whose
+  profiled trace (`moe_offload.measure.profile.profile`, `policy="frequency"`, `stats=traces.expert_counts`), whose
   fused expert tensors are split by any subset of experts (uva gathers host rows through the device view,
   prefetch copies rows one by one); the device-side expert cache (`cache_gb`, heat on uva, lru on prefetch);
   the disk tier (the sparse-first plan with the offloaded tensors of even layers and the embedding moved to
@@ -244,12 +244,12 @@ def _memory(label: str, when: str, model, plan, rt, dev, before: int, slack: int
 def _link_vs_replay(label: str, model, plan, rt, folder: Path, tmp: Path, args, checks: Checks, out: dict) -> None:
     """Record one generation as a trace while the runtime counts; replay the trace under the same plan (and
     cache); both must give the same bytes per decode token, and the same hits and misses."""
-    from moe_offload.loader import load_tokenizer
-    from moe_offload.planner import GiB
-    from moe_offload.profile import record, trace_header
+    from moe_offload.loading.loader import load_tokenizer
+    from moe_offload.planning.planner import GiB
+    from moe_offload.measure.profile import record, trace_header
     from moe_offload.prompts import PROMPTS
-    from moe_offload.replay import replay
-    from moe_offload.traces import TraceWriter, read_trace
+    from moe_offload.routing.replay import replay
+    from moe_offload.formats.traces import TraceWriter, read_trace
 
     path = tmp / f"trace-{label.replace('/', '-')}.jsonl"
     rt.counter.reset()
@@ -377,8 +377,8 @@ def _is_quantized(label, plan, rt, checks: Checks) -> None:
 def _bf16_cases(folder: Path, half_gb: float, total: int, tmp: Path, args, dev, guard: Guard, checks: Checks):
     """The bf16 loads; the frequency plan's trace is profiled here (a resident load of its own)."""
     import moe_offload
-    from moe_offload import traces
-    from moe_offload.profile import profile
+    from moe_offload.formats import traces
+    from moe_offload.measure.profile import profile
     from moe_offload.prompts import PROMPTS
 
     half = dict(offload_gb=half_gb)
@@ -566,7 +566,7 @@ def main(argv=None) -> int:
 
         import moe_offload
         from moe_offload.prompts import PROMPTS
-        from moe_offload.tiny import make_tiny
+        from moe_offload.tiny.make import make_tiny
 
         specs = {"bf16": dict(family="qwen3_moe", dtype="bfloat16", quant=None),
                  "fp8": dict(family="qwen3_moe", dtype="bfloat16", quant="fp8"),

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/load_bench.py [--size-gb 2] [--out bench-out/load_bench.json]
 
 Makes (once, cached under bench-out/load-model-<size>) a random-weight Qwen3-MoE checkpoint
-of about --size-gb GiB in bfloat16 with `moe_offload.tiny.make_tiny`, then runs each method
+of about --size-gb GiB in bfloat16 with `moe_offload.tiny.make.make_tiny`, then runs each method
 in a fresh subprocess, so that every peak-RSS figure belongs to one method alone:
 
 - `hf`: `AutoModelForCausalLM.from_pretrained(dir, experts_implementation="eager")`;
@@ -71,7 +71,7 @@ def choose_shape(size_gb: float) -> dict:
 
 def ensure_model(size_gb: float | None, cache: Path) -> tuple[Path, dict]:
     """The cached checkpoint of about size_gb GiB (None: the tiny warm-up model), made on first use."""
-    from moe_offload.tiny import make_tiny
+    from moe_offload.tiny.make import make_tiny
 
     if size_gb is None:
         folder, shape = cache / "load-model-warmup", dict(hidden=64, layers=2, experts=4, top_k=2)

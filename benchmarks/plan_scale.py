@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from moe_offload.published import KIMI_K2
+from moe_offload.model.published import KIMI_K2
 
 
 # (label, budget keywords for moe_offload.plan)
@@ -56,8 +56,8 @@ def _worker(folder: str, budget: dict, repeat: int) -> dict:
     import tracemalloc
 
     import moe_offload as mo
-    from moe_offload import planner
-    from moe_offload.inventory import inventory
+    from moe_offload.planning import planner
+    from moe_offload.model.inventory import inventory
 
     import_rss = _rss_mib()
     t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """What the offload order costs on released models: declaration order against sparse-first.
 
-For each model (published hyper-parameters, moe_offload.published; nothing downloaded)
+For each model (published hyper-parameters, moe_offload.model.published; nothing downloaded)
 and each accelerator size, both policies plan at the same `--device-memory`, and the plan
 gives the expected bytes of offloaded weights read per decoded token (uniform routing,
 batch 1 and 8). Dividing by a link bandwidth gives the time those bytes take on PCIe
@@ -22,8 +22,8 @@ from rich.table import Table
 
 import moe_offload as mo
 from moe_offload.errors import BudgetError
-from moe_offload.planner import format_bytes
-from moe_offload.published import write
+from moe_offload.planning.planner import format_bytes
+from moe_offload.model.published import write
 
 GiB = 1 << 30
 CASES = [  # (model, accelerator memory in GiB): each a model that does not fit on that accelerator

@@ -10,7 +10,7 @@ Every variant of a family runs at the same --device-memory (reserve 0), chosen s
 checkpoint must offload about half of its routed experts; the bf16 one, twice to four times larger, then
 offloads much more. Rows:
 
-  <format>                 the quantized checkpoint at that device memory (`moe_offload.bench.run_bench`,
+  <format>                 the quantized checkpoint at that device memory (`moe_offload.measure.bench.run_bench`,
                            sparse-first, greedy decode, warm-up discarded)
   bf16                     the bf16 checkpoint at the same device memory (its own, larger, placement)
   bf16 @ <format> place.   the bf16 checkpoint loaded with exactly the quantized run's placement (the same
@@ -49,11 +49,11 @@ from rich.console import Console
 from rich.table import Table
 
 import moe_offload as mo
-from moe_offload.bench import run_bench
-from moe_offload.loader import load_tokenizer
-from moe_offload.planner import GiB, format_bytes
+from moe_offload.measure.bench import run_bench
+from moe_offload.loading.loader import load_tokenizer
+from moe_offload.planning.planner import GiB, format_bytes
 from moe_offload.prompts import PROMPTS
-from moe_offload.tiny import make_tiny
+from moe_offload.tiny.make import make_tiny
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench-out"

@@ -53,13 +53,13 @@ from rich.console import Console
 from rich.table import Table
 
 import moe_offload as mo
-from moe_offload import planner
-from moe_offload.cli import main as cli
-from moe_offload.inventory import inventory
-from moe_offload.planner import GiB
-from moe_offload.profile import profile
-from moe_offload.replay import replay
-from moe_offload.traces import Phase, Trace, expert_counts, read_trace, skew_summary, write_trace
+from moe_offload.planning import planner
+from moe_offload.cli.main import main as cli
+from moe_offload.model.inventory import inventory
+from moe_offload.planning.planner import GiB
+from moe_offload.measure.profile import profile
+from moe_offload.routing.replay import replay
+from moe_offload.formats.traces import Phase, Trace, expert_counts, read_trace, skew_summary, write_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "trained-qwen3moe"

@@ -329,7 +329,7 @@ def evaluate(model, stream: torch.Tensor, s: Settings, n_windows: int = 32) -> d
     finally:
         for h in handles:
             h.remove()
-    busiest = max(1, math.ceil(s.experts / 10))   # as moe_offload.traces.skew_summary counts it
+    busiest = max(1, math.ceil(s.experts / 10))   # as moe_offload.formats.traces.skew_summary counts it
     skew = [c.sort(descending=True).values[:busiest].sum().item() / c.sum().item() for c in counts]
     return {"loss": sum(losses) / len(losses), "busiest_share": skew, "busiest_experts": busiest,
             "uniform_share": busiest / s.experts, "never_picked": [int((c == 0).sum()) for c in counts]}

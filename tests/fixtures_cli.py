@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from moe_offload.cli import main
+from moe_offload.cli.main import main
 
 QWEN3_CONFIG = {
     "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 32, "intermediate_size": 64,

@@ -1,6 +1,6 @@
 """Tiny model folders, budgets and reference runs shared by test_loader.py and test_runtime.py.
 
-Imported explicitly (not a conftest). Every model is written by `moe_offload.tiny.make_tiny`
+Imported explicitly (not a conftest). Every model is written by `moe_offload.tiny.make.make_tiny`
 at the sizes below; nothing is fetched from a hub.
 
 Sizes (float32, 4 bytes per element; hidden 32, 2 layers, E=6 experts, top-k 2, vocab 512):
@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 import transformers
 
-from moe_offload.planner import GiB
-from moe_offload import tiny
-from moe_offload.tiny import AUTO_CLASSES, make_tiny
+from moe_offload.planning.planner import GiB
+from moe_offload.tiny import make as tiny
+from moe_offload.tiny.make import AUTO_CLASSES, make_tiny
 
 FAMILIES = tiny.FAMILIES  # every family make_tiny writes
 SIZES = dict(layers=2, experts=6, top_k=2, hidden=32)
@@ -172,7 +172,7 @@ def subset_plan(folder, ids_of):
     import dataclasses
 
     import moe_offload as mo
-    from moe_offload.planner import Plan
+    from moe_offload.planning.planner import Plan
 
     plan = mo.plan(folder, offload_gb=0)
     tensors = []

@@ -15,8 +15,8 @@ from dataclasses import replace
 
 import pytest
 
-from moe_offload.accounting import TokenBytes
-from moe_offload.planner import plan
+from moe_offload.planning.accounting import TokenBytes
+from moe_offload.planning.planner import plan
 from test_planner import EMBED, FINAL_NORM, LM_HEAD, gb, layer, make_inv
 
 INV = make_inv([EMBED, *layer(0), *layer(1), FINAL_NORM, LM_HEAD])

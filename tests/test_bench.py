@@ -1,4 +1,4 @@
-"""`moe_offload.bench` and `moe-offload bench`: every row measured, warm-up excluded, settings read back.
+"""`moe_offload.measure.bench` and `moe-offload bench`: every row measured, warm-up excluded, settings read back.
 
 The model is a make_tiny Qwen3-MoE: hidden 64, 2 layers, 8 experts, top-k 2, vocab 512, float32.
 
@@ -29,11 +29,12 @@ import pytest
 import torch
 
 import moe_offload as mo
-from moe_offload import bench, plots, report
-from moe_offload.cli import main
+from moe_offload.measure import bench, plots
+from moe_offload.cli import report
+from moe_offload.cli.main import main
 from moe_offload.errors import MoeOffloadError
-from moe_offload.planner import GiB, matches_selector
-from moe_offload.tiny import make_tiny
+from moe_offload.planning.planner import GiB, matches_selector
+from moe_offload.tiny.make import make_tiny
 from fixtures_cli import unwritable_dir
 
 EXPERTS_L0 = 393216 + 196608
@@ -471,7 +472,7 @@ def test_accelerate_disk_bytes_per_token_are_measured(model_dir, accel_rows):
 
 
 def test_accelerate_is_timed_by_the_same_loop(model_dir, monkeypatch):
-    from moe_offload.accelerate_arm import AccelerateArm
+    from moe_offload.measure.accelerate_arm import AccelerateArm
 
     calls = []
     real = bench._greedy
@@ -505,7 +506,7 @@ def test_frequency_arm_places_experts_from_stats(model_dir, tmp_path, capsys):
     # The budget (589824 B) takes the embedding (131072 B), then never-picked experts of 73728 B each (their
     # slices of gate_up_proj and down_proj), ties by layer then id: layer 0's 2-7 and layer 1's 0 (7 x 73728
     # = 516096 B, the 7th crosses the target). The hot experts all stay resident.
-    from moe_offload.traces import TraceHeader, TraceRow, write_trace
+    from moe_offload.formats.traces import TraceHeader, TraceRow, write_trace
 
     trace = tmp_path / "hot.jsonl"
     rows = [TraceRow(0, 4 + i, "decode", ((0, 1), (6, 7))) for i in range(40)]

@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from moe_offload.cache_policy import DEFAULT_CACHE_POLICY, POLICIES, HeatCache, cache_policy_names, make_cache
+from moe_offload.routing.cache_policy import DEFAULT_CACHE_POLICY, POLICIES, HeatCache, cache_policy_names, make_cache
 from moe_offload.errors import BudgetError, SelectorError
 from fixtures_cli import QWEN3_CONFIG
 
@@ -243,7 +243,7 @@ DECODE = [((0, 1), (0, 1)), ((0, 1), (2, 3)), ((0, 1), (0, 1)), ((0, 1), (2, 3))
 
 @pytest.fixture
 def replay_files(tmp_path):
-    from moe_offload.traces import TraceHeader, TraceRow, write_trace
+    from moe_offload.formats.traces import TraceHeader, TraceRow, write_trace
 
     (tmp_path / "config.json").write_text(__import__("json").dumps(CONFIG))
     rows = [TraceRow(0, 0, "prefill", ((2, 3), (2, 3)))]
@@ -255,7 +255,7 @@ def replay_files(tmp_path):
 def _replay(capsys, folder, *options):
     import json
 
-    from moe_offload.cli import main
+    from moe_offload.cli.main import main
 
     rc = main([str(a) for a in ("replay", folder / "config.json", "--trace", folder / "trace.jsonl",
                                 "--offload-gb", repr(2 * 4 * EXPERT / (1 << 30)), "--offload-params", "experts",
@@ -295,7 +295,7 @@ def test_replay_cache_defaults(replay_files, capsys):
 
 
 def test_replay_cache_errors_exit_2(replay_files, capsys):
-    from moe_offload.cli import main
+    from moe_offload.cli.main import main
 
     base = ["replay", str(replay_files / "config.json"), "--trace", str(replay_files / "trace.jsonl"),
             "--offload-params", "experts", "--offload-gb", "4e-5", "--json"]

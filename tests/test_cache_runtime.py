@@ -20,14 +20,14 @@ import torch
 
 import moe_offload as mo
 from fixtures_models import BACKENDS, EXPERTS, FAMILIES, budgets, prompt_ids, reference_model, subset_plan
-from moe_offload.cache_policy import DEFAULT_CACHE_POLICY, cache_policy_names
-from moe_offload.cli import main
+from moe_offload.routing.cache_policy import DEFAULT_CACHE_POLICY, cache_policy_names
+from moe_offload.cli.main import main
 from moe_offload.errors import BudgetError, SelectorError
-from moe_offload.loader import load_tokenizer
-from moe_offload.planner import GiB, Plan
-from moe_offload.profile import record, trace_header
-from moe_offload.replay import replay
-from moe_offload.traces import TraceWriter, read_trace
+from moe_offload.loading.loader import load_tokenizer
+from moe_offload.planning.planner import GiB, Plan
+from moe_offload.measure.profile import record, trace_header
+from moe_offload.routing.replay import replay
+from moe_offload.formats.traces import TraceWriter, read_trace
 
 pytestmark = pytest.mark.exact
 
@@ -206,7 +206,7 @@ def test_a_cache_of_0_or_none_changes_nothing(models, plans0):
 
 
 def test_a_cache_smaller_than_one_expert_is_refused_before_loading(models, plans0, monkeypatch):
-    from moe_offload import loader
+    from moe_offload.loading import loader
 
     folder = models["qwen3_moe"]
     plan = mo.plan(folder, **budgets(plans0("qwen3_moe"))["sparse-first"])
@@ -325,7 +325,7 @@ def test_generate_json_reports_the_cache(capsys, models, backend):
 
 
 def test_bench_gives_every_arm_the_same_cache_and_reports_it(models):
-    from moe_offload.bench import run_bench
+    from moe_offload.measure.bench import run_bench
 
     folder = models["qwen3_moe"]
     options = dict(concurrency=[1], max_new_tokens=4, offload_gb=0.0002, device="cpu", cache_gb=100 * 18432 / GiB,

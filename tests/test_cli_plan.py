@@ -34,7 +34,7 @@ import pytest
 
 import moe_offload as mo
 from fixtures_cli import run_cli as run
-from moe_offload.planner import GiB, Plan
+from moe_offload.planning.planner import GiB, Plan
 
 CONFIG = {
     "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
@@ -143,7 +143,7 @@ def test_human_output_prints_notes_verbatim(model_dir):
     # Notes and model types are text: brackets in them are not rich markup, to be swallowed or to crash.
     from rich.console import Console
 
-    from moe_offload.report import print_plan
+    from moe_offload.cli.report import print_plan
 
     p = dataclasses.replace(mo.plan(model_dir), model_type="[custom]",
                             notes=("experts are [e, 2i, h] fused tensors", "a stray [/] tag"))

@@ -6,7 +6,7 @@ import json
 import pytest
 from conftest import tiny_config_dict
 
-from moe_offload.traces import TraceHeader, TraceRow, write_trace
+from moe_offload.formats.traces import TraceHeader, TraceRow, write_trace
 from fixtures_cli import run_cli as run
 
 

@@ -1,4 +1,4 @@
-"""moe_offload.disk: tensors read from the checkpoint's own safetensors files, at their header offsets.
+"""moe_offload.storage.disk: tensors read from the checkpoint's own safetensors files, at their header offsets.
 
 Files come from make_tiny (per-expert Qwen3-MoE, fused gpt-oss) or safetensors' own save_file; every
 comparison is against safetensors' own load of the same file. Byte ranges expected in a file are computed
@@ -21,9 +21,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from moe_offload.disk import DIRECT_ALIGN, DensePrefetcher, SafetensorsReader, checkpoint_readers
+from moe_offload.storage.disk import DIRECT_ALIGN, DensePrefetcher, SafetensorsReader, checkpoint_readers
 from moe_offload.errors import CheckpointError
-from moe_offload.tiny import make_tiny
+from moe_offload.tiny.make import make_tiny
 
 MODES = ("direct", "fadvise")
 SMALL = dict(layers=2, experts=6, top_k=2, hidden=32)

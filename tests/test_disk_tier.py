@@ -29,8 +29,8 @@ import torch
 import moe_offload as mo
 from fixtures_models import BACKENDS, SIZES, load, prompt_ids, reference_model, run
 from moe_offload.errors import CheckpointError
-from moe_offload.planner import Tier
-from moe_offload.tiny import make_tiny
+from moe_offload.planning.planner import Tier
+from moe_offload.tiny.make import make_tiny
 
 pytestmark = pytest.mark.exact
 
@@ -180,10 +180,10 @@ def _merged(ranges):
 
 def test_disk_bytes_equal_replay(folders, tmp_path):
     """The runtime's disk counter and replay of the same generation's own trace agree, token for token."""
-    from moe_offload.loader import load_tokenizer
-    from moe_offload.profile import record, trace_header
-    from moe_offload.replay import replay
-    from moe_offload.traces import TraceWriter, read_trace
+    from moe_offload.loading.loader import load_tokenizer
+    from moe_offload.measure.profile import record, trace_header
+    from moe_offload.routing.replay import replay
+    from moe_offload.formats.traces import TraceWriter, read_trace
 
     folder = folders["deepseek_v3"]
     model, plan = load(folder, plan=disk_plan(folder, _sparse))
@@ -222,7 +222,7 @@ _RSS_SCRIPT = textwrap.dedent("""
     import dataclasses, json, sys
     import torch, transformers
     import moe_offload as mo
-    from moe_offload.planner import Tier
+    from moe_offload.planning.planner import Tier
 
     def status(field):
         for line in open("/proc/self/status"):
@@ -286,7 +286,7 @@ def test_model_larger_than_its_memory_runs_from_disk(large_model):
 def test_generate_cli_reads_the_rest_from_disk_and_says_how(folders, capsys):
     """On a CPU-only machine `--device-memory` alone puts what does not fit on the disk tier: the text is the
     resident model's, the JSON splits the measured bytes by tier and names the read mechanism."""
-    from moe_offload.cli import main
+    from moe_offload.cli.main import main
 
     def generate(*budget):
         assert main(["generate", str(folders["qwen3_moe"]), "--prompt", "The storm reached", "--max-new-tokens", "4",

@@ -19,13 +19,14 @@ import re
 import pytest
 from conftest import tiny_config_dict
 
-from moe_offload import llama_cpp as lc
-from moe_offload import planner, published
-from moe_offload.cli import main
+from moe_offload.engines import llama_cpp as lc
+from moe_offload.planning import planner
+from moe_offload.model import published
+from moe_offload.cli.main import main
 from moe_offload.errors import ConfigError
-from moe_offload.export import engine_params, export, gib_value
-from moe_offload.inventory import inventory
-from moe_offload.tiny import FAMILIES
+from moe_offload.engines.export import engine_params, export, gib_value
+from moe_offload.model.inventory import inventory
+from moe_offload.tiny.make import FAMILIES
 
 GiB = 1 << 30
 

@@ -21,7 +21,7 @@ from fixtures_models import (load, ARMS, BACKENDS, FAMILIES, TIED_IDS, TIED_VOCA
                              prompt_ids, reference_model, run, tensor_bytes)
 from moe_offload.errors import (BudgetError, CheckpointError, ConfigError, DeviceError, MoeOffloadError,
                                 SelectorError)
-from moe_offload.planner import GiB
+from moe_offload.planning.planner import GiB
 
 # Outputs compared bit for bit with the plain transformers model: `make test` reruns these under a second
 # kernel path (see the Makefile).
@@ -216,7 +216,7 @@ def test_plan_for_another_model_is_rejected(models, tmp_path):
     with pytest.raises(MoeOffloadError, match="another model"):
         load(models["qwen3_moe"], plan=other)
     # Same tensor names, other shapes: a qwen3_moe with hidden 48.
-    from moe_offload.tiny import make_tiny
+    from moe_offload.tiny.make import make_tiny
 
     wider = make_tiny(tmp_path / "wide", family="qwen3_moe", layers=2, experts=6, top_k=2, hidden=48)
     with pytest.raises(MoeOffloadError, match="shape"):
@@ -381,7 +381,7 @@ def test_move_buffers_leaves_placed_buffers_in_their_tier():
     (No second device here: `meta` stands in for the accelerator.)"""
     from torch import nn
 
-    from moe_offload.loader import _move_buffers
+    from moe_offload.loading.loader import _move_buffers
 
     model = nn.Module()
     model.register_buffer("placed", torch.ones(2))

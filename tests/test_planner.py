@@ -26,9 +26,9 @@ import random
 import pytest
 
 from moe_offload.errors import BudgetError, MoeOffloadError, SelectorError
-from moe_offload.inventory import Inventory, TensorRecord, component_of, layer_of
-from moe_offload.planner import GiB, Plan, Tier, matches_selector, plan
-from moe_offload.roles import Role
+from moe_offload.model.inventory import Inventory, TensorRecord, component_of, layer_of
+from moe_offload.planning.planner import GiB, Plan, Tier, matches_selector, plan
+from moe_offload.model.roles import Role
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -618,7 +618,7 @@ def test_a_string_selector_through_the_python_api(family_dir):
     (dict(offload_gb=gb(1), batch=0), "batch=0: the number of sequences", "--batch 0: the number of sequences"),
 ])
 def test_python_errors_name_arguments_and_the_cli_shows_flags(kwargs, python, flag):
-    from moe_offload.cli import _as_flags
+    from moe_offload.cli.main import _as_flags
 
     with pytest.raises(MoeOffloadError) as err:
         plan(full_model(), **kwargs)
@@ -628,7 +628,7 @@ def test_python_errors_name_arguments_and_the_cli_shows_flags(kwargs, python, fl
 
 
 def test_cli_budget_errors_still_name_flags(family_dir, capsys):
-    from moe_offload import cli
+    from moe_offload.cli import main as cli
 
     rc = cli.main(["plan", str(family_dir("qwen3_moe")), "--offload-gb", "-1"])
     err = capsys.readouterr().err
@@ -646,7 +646,7 @@ def test_gpt_oss_120b_without_dtype_plans_as_its_published_checkpoint(write_conf
       total 65,248,815,744 B = 60.77 GiB against the published checkpoint's 60.8 GiB (float32 rest: 64.8 GiB).
     """
     import moe_offload as mo
-    from moe_offload.published import GPT_OSS_120B
+    from moe_offload.model.published import GPT_OSS_120B
 
     without = {k: v for k, v in GPT_OSS_120B.items() if k != "dtype"}
     p = mo.plan(write_config(without, name="no-dtype"))

@@ -18,9 +18,9 @@ import pytest
 
 import moe_offload as mo
 from moe_offload.errors import BudgetError, MoeOffloadError
-from moe_offload.planner import GiB, Plan, plan
-from moe_offload.replay import replay
-from moe_offload.traces import Trace, TraceHeader, TraceRow, write_trace
+from moe_offload.planning.planner import GiB, Plan, plan
+from moe_offload.routing.replay import replay
+from moe_offload.formats.traces import Trace, TraceHeader, TraceRow, write_trace
 from test_planner import EMBED, FINAL_NORM, LM_HEAD, gb, layer, make_inv, with_buffer
 from fixtures_cli import QWEN3_CONFIG, run_cli as cli
 
@@ -339,7 +339,7 @@ def test_plan_table_shows_host_and_disk_columns():
 
     from rich.console import Console
 
-    from moe_offload.report import print_plan
+    from moe_offload.cli.report import print_plan
 
     console = Console(file=io.StringIO(), width=200)
     print_plan(plan(ONE, offload_gb=gb(448), host_memory_gb=gb(100)), console)

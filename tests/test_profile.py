@@ -15,12 +15,12 @@ import torch
 
 import moe_offload as mo
 from fixtures_models import BACKENDS, EXPERTS, FAMILIES, TOP_K, budgets
-from moe_offload.cli import main
-from moe_offload.loader import load_tokenizer
-from moe_offload.planner import GiB
-from moe_offload.profile import profile, record, trace_header
-from moe_offload.replay import replay
-from moe_offload.traces import TraceWriter, expert_counts, read_trace
+from moe_offload.cli.main import main
+from moe_offload.loading.loader import load_tokenizer
+from moe_offload.planning.planner import GiB
+from moe_offload.measure.profile import profile, record, trace_header
+from moe_offload.routing.replay import replay
+from moe_offload.formats.traces import TraceWriter, expert_counts, read_trace
 
 PROMPTS = ["The harbour master counted seven ships", "Rain fell on the quiet valley all night long"]
 NEW = 3
@@ -112,7 +112,7 @@ def test_generation_stops_at_eos_and_the_eos_token_has_no_row(models, tmp_path):
 
 def test_nothing_is_written_on_error(models, tmp_path, monkeypatch):
     """An error on the second prompt, after the first one's rows were written: no trace, no temporary file."""
-    import moe_offload.profile as prof
+    import moe_offload.measure.profile as prof
 
     rows = prof._rows
 

@@ -22,12 +22,12 @@ from safetensors.torch import load_file, save_file
 
 import moe_offload as mo
 from fixtures_models import fresh_allocations, prompt_ids, run
-from moe_offload.accounting import TokenBytes
+from moe_offload.planning.accounting import TokenBytes
 from moe_offload.errors import CheckpointError
-from moe_offload.planner import GiB
-from moe_offload.quant import quantize_fp8
-from moe_offload.quant_weights import Reader
-from moe_offload.tiny import make_tiny
+from moe_offload.planning.planner import GiB
+from moe_offload.formats.quant import quantize_fp8
+from moe_offload.run.quant_weights import Reader
+from moe_offload.tiny.make import make_tiny
 
 pytestmark = pytest.mark.exact
 
@@ -195,10 +195,10 @@ def test_measured_link_bytes_are_the_quantized_bytes(folders, family, backend):
 
 
 def test_replay_of_the_generation_trace_reports_the_measured_quantized_bytes(folders, tmp_path):
-    from moe_offload.loader import load_tokenizer
-    from moe_offload.profile import record, trace_header
-    from moe_offload.replay import replay
-    from moe_offload.traces import TraceWriter, read_trace
+    from moe_offload.loading.loader import load_tokenizer
+    from moe_offload.measure.profile import record, trace_header
+    from moe_offload.routing.replay import replay
+    from moe_offload.formats.traces import TraceWriter, read_trace
 
     folder = folders["deepseek_v3"]   # FP8 attention, dense layer, shared and routed experts
     model, plan = _load(folder, backend="prefetch", **_budget(folder, "half-experts"))
@@ -217,7 +217,7 @@ def test_bench_reports_bytes_beside_bf16_for_the_same_placement(folders, family,
     """bench's bf16_link_bytes_per_token: the same placement and routing at 2 bytes per element. The issue's
     goal (FP8 <= 0.55x, MXFP4 <= 0.30x) for experts offloaded; the stored-size accounting of the same steps
     reproduces the measured figure exactly."""
-    from moe_offload import bench
+    from moe_offload.measure import bench
 
     folder = folders[family]
     routed = sum(t.bytes for t in mo.plan(folder).tensors if t.role == "routed_expert")
@@ -240,7 +240,7 @@ def test_bench_reports_bytes_beside_bf16_for_the_same_placement(folders, family,
 
 
 def test_cli_generate_and_bench_on_a_quantized_checkpoint(folders, capsys):
-    from moe_offload.cli import main
+    from moe_offload.cli.main import main
 
     folder = folders["gpt_oss"]
     budget = str(_budget(folder, "everything")["offload_gb"])
@@ -262,7 +262,7 @@ def test_audit_checks_scales_and_stored_values(folders):
     whole = next(n for n, q in rt.quant.items() if q.reader is Reader.EXPERTS and n not in rt.splits
                  and plan.tiers[n] == "host")
     q = rt.quant[whole]
-    from moe_offload.storage import set_tensor
+    from moe_offload.storage.host import set_tensor
 
     host_scales = model.get_buffer(q.scale_name)
     set_tensor(model, q.scale_name, host_scales.clone(), is_buffer=True)   # a stray copy off the host
@@ -325,7 +325,7 @@ def _fp8_to_bf16(sd, key):
         "scale-of-bf16"])
 def test_malformed_quantized_checkpoints_are_refused_before_any_memory(folders, tmp_path, monkeypatch, family, edit,
                                                                        config_edit, names, says):
-    from moe_offload import loader
+    from moe_offload.loading import loader
 
     arenas = []
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from moe_offload.errors import TraceError
-from moe_offload.planner import GiB, plan
-from moe_offload.replay import access_keys, replay, replay_routing
-from moe_offload.traces import Trace, TraceHeader, TraceRow, routing_array, write_trace
+from moe_offload.planning.planner import GiB, plan
+from moe_offload.routing.replay import access_keys, replay, replay_routing
+from moe_offload.formats.traces import Trace, TraceHeader, TraceRow, routing_array, write_trace
 from test_planner import EMBED, FINAL_NORM, LM_HEAD, gb, layer, make_inv
 from fixtures_cli import QWEN3_CONFIG, run_cli as run
 
@@ -216,8 +216,9 @@ def test_cli_plan_with_frequency_stats(files, capsys):
 
 
 def test_a_1t_parameter_model_replays_1e5_tokens_over_60_layers_in_seconds(tmp_path):
-    from moe_offload import planner, published
-    from moe_offload.inventory import inventory
+    from moe_offload.planning import planner
+    from moe_offload.model import published
+    from moe_offload.model.inventory import inventory
 
     inv = inventory(published.write("kimi-k2", tmp_path / "kimi"))
     tb = planner.plan(inv, offload_gb=500).token_bytes()

@@ -11,8 +11,8 @@ import re
 
 import pytest
 
-from moe_offload.inventory import Inventory, TensorRecord, component_of, inventory
-from moe_offload.roles import KNOWN_FAMILIES, Role, assign, classify, family_note
+from moe_offload.model.inventory import Inventory, TensorRecord, component_of, inventory
+from moe_offload.model.roles import KNOWN_FAMILIES, Role, assign, classify, family_note
 
 from conftest import TINY, VISION_FAMILIES
 

@@ -24,8 +24,8 @@ import torch
 import moe_offload as mo
 from fixtures_models import (load, ARMS, BACKENDS, EXPERTS, FAMILIES, SIZES, TIED_IDS, TIED_VOCAB, TOP_K, budgets,
                              make_tied, prompt_ids, reference_model, run, slice_bytes)
-from moe_offload.planner import GiB
-from moe_offload.tiny import make_tiny
+from moe_offload.planning.planner import GiB
+from moe_offload.tiny.make import make_tiny
 
 # Outputs compared bit for bit with the plain transformers model: `make test` reruns these under a second
 # kernel path (see the Makefile).
@@ -307,8 +307,8 @@ def test_rows_of_two_tensors_staged_for_one_forward_do_not_share_a_buffer():
     """gpt-oss's gate_up_proj_bias [E, 2I] and down_proj_bias [E, H] have the same row shape when 2I == H:
     both are staged before the experts run, so each needs its own buffer."""
     import torch.nn as nn
-    from moe_offload.runtime import Runtime
-    from moe_offload.storage import HostArena
+    from moe_offload.run.runtime import Runtime
+    from moe_offload.storage.host import HostArena
 
     rt = Runtime(nn.Module(), device=torch.device("cpu"), backend="prefetch",
                  arena=HostArena(torch.device("cpu"), False), host_names={})

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moe_offload.errors import DeviceError
-from moe_offload.storage import HostArena, accelerator_available, resolve_device
+from moe_offload.storage.host import HostArena, accelerator_available, resolve_device
 
 
 def test_cpu_arena_is_exact_size_and_sub_allocated():

@@ -1,4 +1,4 @@
-"""Tests for moe_offload.tiny.make_tiny: tiny random MoE checkpoints that transformers loads."""
+"""Tests for moe_offload.tiny.make.make_tiny: tiny random MoE checkpoints that transformers loads."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import transformers
 from safetensors import safe_open
 
 from moe_offload.prompts import CORPUS, PROMPTS
-from moe_offload.tiny import AUTO_CLASSES, FAMILIES, make_tiny
+from moe_offload.tiny.make import AUTO_CLASSES, FAMILIES, make_tiny
 from fixtures_cli import unwritable_dir
 
 REQUIRED_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen3_vl_moe")
@@ -207,7 +207,7 @@ def test_family_specific_limits(tmp_path):
 @pytest.fixture
 def never_built(monkeypatch):
     """make_tiny must refuse its target before building anything (the tokenizer is trained first)."""
-    from moe_offload import tiny
+    from moe_offload.tiny import make as tiny
 
     def built(*args, **kwargs):
         raise AssertionError("make_tiny started building before refusing its target")
@@ -232,7 +232,7 @@ def test_target_that_cannot_be_written_is_refused_first(tmp_path, never_built, w
 
 @pytest.mark.parametrize("where", ["unwritable", "through-a-file", "a-file"])
 def test_make_tiny_cli_unwritable_path_is_one_error_line(tmp_path, capsys, never_built, where):
-    from moe_offload.cli import main
+    from moe_offload.cli.main import main
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -380,7 +380,7 @@ _RSS_SCRIPT = r"""
 import json, math, resource, sys
 from pathlib import Path
 from safetensors import safe_open
-from moe_offload.tiny import make_tiny
+from moe_offload.tiny.make import make_tiny
 
 root = Path(sys.argv[1])
 # Warm-up: imports, tokenizer training and every code path, so the baseline holds all but the weights.

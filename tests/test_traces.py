@@ -8,7 +8,7 @@ import os
 import pytest
 
 from moe_offload.errors import TraceError
-from moe_offload.traces import (Trace, TraceHeader, TraceRow, TraceWriter, check_trace_matches, expert_counts,
+from moe_offload.formats.traces import (Trace, TraceHeader, TraceRow, TraceWriter, check_trace_matches, expert_counts,
                                 read_trace, routing_array, skew_summary, write_trace)
 
 HEADER = TraceHeader("mixtral", 8, 2, (0, 1, 3), "hand-made")

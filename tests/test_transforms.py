@@ -7,7 +7,7 @@ import torch.nn as nn
 
 import moe_offload as mo
 from moe_offload.errors import AuditError, MoeOffloadError
-from moe_offload.tiny import make_tiny
+from moe_offload.tiny.make import make_tiny
 
 # Outputs compared bit for bit with the plain transformers model: `make test` reruns these under a second
 # kernel path (see the Makefile).

@@ -1,0 +1,74 @@
+"""The Python API's functions: plan a model, load it into its plan, audit it, transform its weights.
+
+The package face (`moe_offload/__init__.py`) hands these on; `measure/` and `cli/` call them here.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .planning.planner import Plan
+
+
+def load(model_dir, *, device=None, backend: str | None = None, plan: "Plan | str | None" = None,
+         dtype: str | None = None, progress: bool = False, cache_gb: float | None = None,
+         cache_policy: str | None = None, **budget):
+    """Build a model from a local checkpoint straight into its plan; returns (model, plan).
+
+    Budget options as for `plan` (offload_gb, device_memory_gb, reserve_gb, host_memory_gb,
+    cpu_only, policy, offload_params, batch), or `plan=` a Plan / saved plan JSON. The model is an ordinary
+    transformers model (`model.generate(...)` works) with a `moe_offload_runtime` attribute
+    that says which mechanism is used and counts the bytes read over the link.
+    `cache_gb` (with `cache_policy`): a device-side cache of that many GiB for the offloaded routed
+    experts that decode steps fetch (`model.moe_offload_runtime.cache.stats()`: hits and misses).
+    """
+    from .loading.loader import load as _load
+
+    return _load(model_dir, device=device, backend=backend, plan=plan, dtype=dtype, progress=progress,
+                 cache_gb=cache_gb, cache_policy=cache_policy, **budget)
+
+
+def transform_weights(model, fn, *, names=None):
+    """Apply fn(name, tensor) -> tensor to weights of a loaded model, keeping every tensor in its tier."""
+    from .run.transforms import transform_weights as _transform
+
+    return _transform(model, fn, names=names)
+
+
+def update_weights(model, weights):
+    """Write new values (e.g. an RL weight update) into a loaded model's weights in place, keeping tiers."""
+    from .run.transforms import update_weights as _update
+
+    return _update(model, weights)
+
+
+def audit(model, plan: Plan):
+    """Every tensor whose actual tier differs from the plan: [(name, planned, actual, bytes)]; empty when in place."""
+    from .run.auditor import audit as _audit
+
+    return _audit(model, plan)
+
+
+def plan(source, *, offload_gb: float | None = None, device_memory_gb: float | None = None,
+         reserve_gb: float | None = None, policy: str = "sparse-first",
+         offload_params: str | Sequence[str] | None = None, dtype: str | None = None, batch: int = 1,
+         stats=None, host_memory_gb: float | None = None, cpu_only: bool = False) -> Plan:
+    """Plan where every weight of a model lives.
+
+    `source`: a model folder (its safetensors headers give real dtypes and bytes), a
+    config.json path, or an nn.Module (meta or real). No tensor data is read.
+    `offload_params`: one selector (a string) or several.
+    `stats` (with policy="frequency"): layer -> decode-token picks per expert, e.g.
+    `moe_offload.traces.expert_counts(moe_offload.traces.read_trace(path))`.
+    `host_memory_gb`: the host tier's GiB; what leaves the device beyond it is planned on `disk`.
+    `cpu_only`: plan for a machine whose device is host memory: `device_memory_gb` alone then bounds
+    the RAM the weights hold and the rest is on disk (the CLI sets it from the device it resolves).
+    """
+    from .planning import planner
+    from .model.inventory import inventory
+
+    inv = inventory(source, dtype=dtype)
+    return planner.plan(inv, offload_gb=offload_gb, device_memory_gb=device_memory_gb, reserve_gb=reserve_gb,
+                        policy=policy, offload_params=offload_params, batch=batch, stats=stats,
+                        host_memory_gb=host_memory_gb, cpu_only=cpu_only)
+

@@ -1,0 +1,229 @@
+"""moe-offload: plan, load, run and benchmark MoE models whose weights do not fit on the accelerator.
+
+The first line is also `moe-offload --help`'s description. Commands, options and JSON fields are a
+stable contract (CLI.md in the project's design notes): extend them, never break them.
+
+Human output goes to the terminal; `--json` prints one JSON document on stdout and nothing
+else there. A user error exits with status 2 and one `error:` line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+from .commands import cmd_bench, cmd_export, cmd_generate, cmd_make_tiny, cmd_plan, cmd_profile, cmd_replay
+from ..errors import MoeOffloadError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, per the contract, instead of usage + message
+        sys.stderr.write(f"error: {message} (see `{self.prog} --help`)\n")
+        sys.exit(2)
+
+
+def _budget_options(p: argparse.ArgumentParser, *, policy_options: bool = True, oracle: bool = False) -> None:
+    """`policy_options=False` (bench, whose --arms choose the policy): --policy and --offload-params are
+    left out of --help and parse only so that the command can refuse them with a pointer to --arms."""
+    from ..planning.planner import DEFAULT_RESERVE_GB
+
+    def shown(text: str) -> str:
+        return text if policy_options else argparse.SUPPRESS
+
+    g = p.add_argument_group("budget")
+    g.add_argument("--offload-gb", type=float, metavar="X",
+                   help="offload at least X GiB of weights to host memory (0 offloads nothing)")
+    g.add_argument("--device-memory", type=float, metavar="X",
+                   help="the accelerator has X GiB: offload the least that makes weights + reserve fit")
+    g.add_argument("--reserve-gb", type=float, metavar="X",
+                   help=f"with --device-memory: room kept for activations and KV cache (default {DEFAULT_RESERVE_GB})")
+    g.add_argument("--host-memory", type=float, metavar="X",
+                   help="the host has X GiB for offloaded weights: what leaves the device beyond it is read from the "
+                        "checkpoint on disk, lowest access densities first (on a CPU-only machine --device-memory "
+                        "alone already puts what does not fit in RAM on disk)")
+    g.add_argument("--policy", default="sparse-first" if policy_options else None,
+                   choices=["sparse-first", "declaration", "frequency", *(["oracle"] if oracle else [])],
+                   help=shown("sparse-first: by access density, routed experts before dense, globally (default); "
+                              "declaration: module declaration order (the legacy behaviour of today's engines); "
+                              "frequency: expert by expert, least picked first, from --stats"
+                              + ("; oracle: frequency with statistics from --trace itself (a floor)" if oracle
+                                 else "")))
+    g.add_argument("--stats", nargs="+", metavar="TRACE",
+                   help=("with --policy frequency: " if policy_options else "for the frequency arm: ")
+                   + "routing traces (`moe-offload profile`) whose decode tokens give each expert's pick frequency")
+    g.add_argument("--offload-params", nargs="+", metavar="SEG",
+                   help=shown("only tensors whose name contains one of these whole dot-separated segment "
+                              "sequences are eligible (`experts` matches `...mlp.experts.down_proj`)"))
+    g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
+                   help="the dtype weights are held in (default: the checkpoint's; from config.json alone, the "
+                        "config's own and its quantization_config)")
+
+
+def _device_option(p: argparse.ArgumentParser) -> None:
+    """--device for commands that plan without running (plan, replay)."""
+    p.add_argument("--device", help="the device the plan is for: cpu (no accelerator: --device-memory then bounds RAM "
+                                    "and the rest is on disk), cuda, ... (default: this machine's accelerator, else "
+                                    "cpu)")
+
+
+def _runtime_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=["uva", "prefetch"], default="uva",
+                   help="uva: offloaded weights read in place through device-visible views of host memory "
+                        "(default); prefetch: staged onto the device before use")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: the accelerator when there is one, else cpu)")
+    from ..routing.cache_policy import DEFAULT_CACHE_POLICY, cache_policy_names
+
+    p.add_argument("--cache-gb", type=float, metavar="X",
+                   help="device-side cache of X GiB for the offloaded routed experts decode steps fetch (a hit reads "
+                        "nothing over the link); with --device-memory it is taken out of --reserve-gb (default 0: "
+                        "no cache)")
+    p.add_argument("--cache-policy", metavar="P",
+                   help=f"with --cache-gb: {', '.join(cache_policy_names())} (default {DEFAULT_CACHE_POLICY}; belady, "
+                        "the offline optimum, only in replay)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="moe-offload", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("plan", help="plan where every weight lives (reads no tensor data)")
+    p.add_argument("model", help="model folder or config.json path")
+    _budget_options(p)
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together, for link bytes (default 1)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON document")
+    p.add_argument("--tensors", action="store_true", help="also list every tensor with its role, density and tier")
+    p.add_argument("--save", metavar="PLAN.json", help="save the plan (load it with `moe_offload.load(plan=...)`)")
+    _device_option(p)
+    p.set_defaults(func=cmd_plan)
+
+    g = sub.add_parser("generate", help="greedy decoding with the model loaded into its plan")
+    g.add_argument("model", help="model folder (config.json, safetensors, tokenizer)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    _budget_options(g)
+    _runtime_options(g)
+    g.add_argument("--json", action="store_true", help="print the result as one JSON document")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="measure offloading arms side by side at one budget (speed and link bytes)")
+    b.add_argument("model", help="model folder (config.json, safetensors, tokenizer)")
+    b.add_argument("--arms",
+                   help="comma-separated: resident (offload nothing; skipped when it does not fit), declaration, "
+                        "sparse-first, frequency (expert by expert from --stats TRACE), explicit:SEG[+SEG...], "
+                        "accelerate (transformers + accelerate device_map='auto' at the same budget; rest to disk) "
+                        "(default: resident,declaration,sparse-first); "
+                        "the arms choose the policy and selectors, so bench takes no --policy / --offload-params")
+    _budget_options(b, policy_options=False)  # arms choose the policy; an explicit --policy is refused
+    _runtime_options(b)
+    b.add_argument("--concurrency", metavar="C,C",
+                   help="sequences decoded together, one row per level (default 1,4)")
+    b.add_argument("--runs", type=int, default=3,
+                   help="measured runs per arm and level, after 1 warm-up run (default 3)")
+    b.add_argument("--max-new-tokens", type=int, default=32,
+                   help="tokens decoded per sequence, EOS ignored (default 32)")
+    b.add_argument("--prompts", metavar="FILE", help="one prompt per line (default: the built-in varied prompts)")
+    b.add_argument("--same-prompt", action="store_true",
+                   help="give every sequence the first prompt (flatters batched link traffic; labelled as such)")
+    b.add_argument("--link-gbps", type=float, metavar="X",
+                   help="host link bandwidth in GB/s (1e9 bytes/s): adds link ms per token from the measured bytes")
+    b.add_argument("--threads", type=int, metavar="N", help="CPU threads for torch while measuring (default: torch's)")
+    b.add_argument("--json", metavar="FILE", help="write the rows as one JSON list to FILE (`-`: stdout)")
+    b.add_argument("--plot", metavar="FILE.png", help="write a two-panel chart: tok/s and link bytes per token")
+    b.set_defaults(func=cmd_bench)
+
+    r = sub.add_parser("replay", help="bytes a placement (and cache) would read for a routing trace, without "
+                                      "running the model")
+    r.add_argument("model", help="model folder or config.json path (tensor sizes only)")
+    r.add_argument("--trace", required=True, metavar="TRACE", help="routing trace whose decode tokens are replayed")
+    _budget_options(r, oracle=True)
+    r.add_argument("--plan", metavar="PLAN.json", help="replay this saved plan instead of planning from the options")
+    r.add_argument("--cache-gb", type=float, metavar="X", help="device-side expert cache of X GiB (default: none)")
+    r.add_argument("--cache-policy", metavar="P", help="lru, lfu, ..., or belady (the offline optimum)")
+    _device_option(r)
+    r.add_argument("--json", action="store_true", help="print the result as one JSON document")
+    r.set_defaults(func=cmd_replay)
+
+    from ..engines.export import ENGINES
+
+    x = sub.add_parser("export", help="the command-line options that make vLLM, SGLang or llama.cpp apply the plan "
+                                      "(or the closest placement they can)")
+    x.add_argument("model", help="model folder or config.json path")
+    x.add_argument("--engine", required=True, choices=ENGINES, help="the engine to export for")
+    _budget_options(x)
+    x.add_argument("--batch", type=int, metavar="N", help="sequences decoded together, for link bytes (default 1)")
+    x.add_argument("--plan", metavar="PLAN.json", help="export this saved plan instead of planning from the options")
+    x.add_argument("--json", action="store_true", help="print the result as one JSON document")
+    x.set_defaults(func=cmd_export)
+
+    pr = sub.add_parser("profile", help="record which experts the routers pick, token by token, as a trace")
+    pr.add_argument("model", help="model folder (config.json, safetensors, tokenizer)")
+    pr.add_argument("--out", required=True, metavar="TRACE", help="the trace file to write (JSON Lines, CLI.md)")
+    pr.add_argument("--prompts", metavar="FILE", help="one prompt per line (default: the built-in varied prompts)")
+    pr.add_argument("--max-new-tokens", type=int, default=32,
+                    help="decode tokens recorded per prompt, each run through the model (default 32)")
+    pr.add_argument("--ignore-eos", action="store_true", help="always record --max-new-tokens decode tokens")
+    pr.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: the accelerator when there is one, else cpu)")
+    pr.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="the dtype weights are held in "
+                    "(default: the checkpoint's)")
+    pr.add_argument("--json", action="store_true", help="print the per-layer skew summary as one JSON document")
+    pr.set_defaults(func=cmd_profile)
+
+    t = sub.add_parser("make-tiny", help="write a small random-weight model folder")
+    from ..tiny.make import FAMILIES
+
+    t.add_argument("dir", help="the folder to write (new, or empty)")
+    t.add_argument("--family", required=True, metavar="F",
+                   help=f"a transformers model family: {', '.join(FAMILIES)}")
+    t.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    t.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer (default 8)")
+    t.add_argument("--top-k", type=int, default=2, help="experts each token is routed to (default 2)")
+    t.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
+    t.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    t.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
+                   help="dtype of the saved (unquantized) weights (default float32; bfloat16 with --quant, as the "
+                        "released quantized checkpoints store them)")
+    t.add_argument("--quant", choices=["fp8", "mxfp4"],
+                   help="write the checkpoint quantized, in the released on-disk format: fp8 (e4m3 + "
+                        "weight_scale_inv block scales, as DeepSeek-V3 / Qwen3-FP8) or mxfp4 (gpt-oss experts)")
+    t.set_defaults(func=cmd_make_tiny)
+    return parser
+
+
+# The library's errors name Python arguments (`offload_gb=5`, `offload_params`); here the user typed flags.
+_FLAGS = {"offload_gb": "--offload-gb", "device_memory_gb": "--device-memory", "reserve_gb": "--reserve-gb",
+          "offload_params": "--offload-params", "batch": "--batch", "policy": "--policy", "dtype": "--dtype",
+          "cache_gb": "--cache-gb", "cache_policy": "--cache-policy", "host_memory_gb": "--host-memory"}
+
+
+def _as_flags(message: str) -> str:
+    """`offload_gb=5` -> `--offload-gb 5`, `offload_params` -> `--offload-params`.
+
+    A plain word ("batch", "policy") is an argument only when written `word=`; a name with an underscore
+    always is (prose has none).
+    """
+    def flag(m: re.Match) -> str:
+        name, eq = m.group(1), m.group(2)
+        if not eq and "_" not in name:
+            return m.group(0)
+        return _FLAGS[name] + (" " if eq else "")
+
+    return re.sub(r"\b(" + "|".join(_FLAGS) + r")\b(=?)", flag, message)
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except MoeOffloadError as exc:
+        message = _as_flags(" ".join(str(exc).split()))
+        sys.stderr.write(f"error: {message}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Replay: the bytes the decode tokens of a trace would read under a placement and a cache.
+
+Nothing runs: a plan gives the offloaded bytes of every expert of every layer (accounting.py),
+a trace gives which experts each token picked. At batch 1 each decode token reads, over the
+link, every offloaded dense tensor in full, one row of each offloaded lookup table, and the
+offloaded bytes of every offloaded expert it picked that the cache does not hold.
+
+Without a cache the count is a few array gathers per layer (10^5 tokens x 60 layers in well
+under a second). With a cache, accesses are sequential by nature: per token, per layer in
+order, per picked offloaded expert in ascending id, `cache.access((layer, expert), nbytes)`,
+the interface the runtime drives too (cache_policy.py), with the access sequence built by
+numpy so that the Python work per access is the call alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+import numpy as np
+
+from ..planning.accounting import TokenBytes
+from ..errors import MoeOffloadError, TraceError
+from ..planning.planner import GiB, Plan
+from ..formats.traces import Trace, check_trace_matches, routing_array
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    tokens: int                        # decode tokens replayed
+    link_bytes_per_token: float        # host + disk
+    host_link_bytes_per_token: float
+    disk_read_bytes_per_token: float
+    expert_reads: int                  # offloaded expert fetches that crossed the link (cache misses)
+    cache_hits: int
+    cache_misses: int                  # = expert_reads: without a cache every offloaded pick is a miss
+    policy: str
+    cache_policy: str | None
+    offloaded_bytes: int
+    cache_bytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RoutingCost:
+    """Totals over the replayed tokens."""
+
+    tokens: int
+    host_bytes: int
+    disk_bytes: int
+    expert_reads: int
+    cache_hits: int
+
+
+def replay_routing(tb: TokenBytes, ids: np.ndarray, *, cache=None) -> RoutingCost:
+    """Bytes read by the tokens of `ids` ([T, layers, width] expert ids in `tb.layers` order, -1 = none).
+
+    cache: an object with access(key, nbytes) -> hit (cache_policy.make_cache), or None.
+    """
+    t, n_layers, _ = ids.shape
+    if n_layers != len(tb.layers):
+        raise ValueError(f"routing of {n_layers} layers for a placement of {len(tb.layers)} routed layers")
+    # A zero column appended at the end: id -1 (padding) indexes it and reads nothing.
+    host = np.concatenate([tb.expert_host, np.zeros((n_layers, 1), np.int64)], axis=1)
+    disk = np.concatenate([tb.expert_disk, np.zeros((n_layers, 1), np.int64)], axis=1)
+    host_bytes, disk_bytes = t * tb.dense_host, t * tb.dense_disk
+    if cache is None:
+        reads = 0
+        for i in range(n_layers):
+            h, d = host[i][ids[:, i, :]], disk[i][ids[:, i, :]]   # [T, width] bytes of each pick
+            host_bytes += int(h.sum())
+            disk_bytes += int(d.sum())
+            reads += int(np.count_nonzero(h + d))
+        return RoutingCost(t, host_bytes, disk_bytes, reads, 0)
+
+    tok, lay, experts = _access_order(tb, ids)
+    nbytes = (host + disk)[lay, experts].tolist()
+    keys = list(zip(np.asarray(tb.layers, dtype=np.int64)[lay].tolist(), experts.tolist()))
+    ends = np.searchsorted(tok, np.arange(1, t + 1)).tolist()   # accesses of token i: [ends[i-1], ends[i])
+    access, begin = cache.access, cache.begin_step
+    hit = np.zeros(len(keys), dtype=bool)
+    start = 0
+    for end in ends:   # every token is one decode step, as the runtime marks it (even one reading nothing)
+        begin()
+        for j in range(start, end):
+            hit[j] = access(keys[j], nbytes[j])
+        start = end
+    miss = ~hit
+    host_bytes += int(host[lay[miss], experts[miss]].sum())
+    disk_bytes += int(disk[lay[miss], experts[miss]].sum())
+    return RoutingCost(t, host_bytes, disk_bytes, int(miss.sum()), int(hit.sum()))
+
+
+def _access_order(tb: TokenBytes, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(token, layer row, expert id) of every cache access, in the runtime's order: token, then layer, then
+    ascending expert id; only offloaded experts are accessed (resident ones are on the device already)."""
+    n_layers = len(tb.layers)
+    off = np.concatenate([tb.expert_host + tb.expert_disk, np.zeros((n_layers, 1), np.int64)], axis=1)
+    picks = np.sort(ids, axis=2)                                   # the -1 padding sorts first
+    tok, lay, slot = np.nonzero(off[np.arange(n_layers)[None, :, None], picks] > 0)   # C order = access order
+    return tok, lay, picks[tok, lay, slot].astype(np.int64)
+
+
+def access_keys(tb: TokenBytes, ids: np.ndarray) -> list[tuple[int, int]]:
+    """The (layer, expert) keys a cache sees for `ids`, in access order (the future an offline policy needs)."""
+    _, lay, experts = _access_order(tb, ids)
+    return list(zip(np.asarray(tb.layers, dtype=np.int64)[lay].tolist(), experts.tolist()))
+
+
+def make_replay_cache(policy: str | None, capacity_bytes: int, future_keys):
+    """A cache from cache_policy.py; `future_keys()` is called only for an offline policy (belady)."""
+    from . import cache_policy
+
+    name = policy or cache_policy.DEFAULT_CACHE_POLICY
+    offline = name in cache_policy.OFFLINE_POLICIES
+    return name, cache_policy.make_cache(name, capacity_bytes, future=future_keys() if offline else None)
+
+
+def replay(plan: Plan, trace: Trace, *, cache_gb: float | None = None, cache_policy: str | None = None,
+           policy: str | None = None) -> ReplayResult:
+    """Replay the decode tokens of `trace` (batch 1) under `plan` and an optional cache of `cache_gb` GiB.
+
+    policy: the label reported (default: the plan's; replay's `oracle` is a frequency plan).
+    """
+    tb = plan.token_bytes()
+    check_trace_matches(trace, num_experts=tb.num_experts or None, layers=tb.layers,
+                        where=f"the {plan.model_type} plan")
+    rows = trace.decode_rows
+    if not rows:
+        raise TraceError(f"{trace.name} holds no decode tokens ({len(trace.rows)} prefill rows): replay counts "
+                         "decode tokens; profile with --max-new-tokens of at least 1 (and --ignore-eos, so that EOS does not end "
+                         "every prompt at once)")
+    width = max(1, max(len(ids) for r in rows for ids in r.experts))
+    dtype = np.int16 if tb.num_experts < 2 ** 15 else np.int32
+    ids = routing_array(rows, width, len(tb.layers), dtype=dtype)
+    if cache_policy is not None and cache_gb is None:
+        raise MoeOffloadError(f"--cache-policy {cache_policy} without --cache-gb: give the cache size too")
+    cache, name, capacity = None, None, 0
+    if cache_gb is not None:
+        if not np.isfinite(cache_gb) or cache_gb < 0:
+            raise MoeOffloadError(f"--cache-gb {cache_gb} is not a size: give a non-negative number of GiB")
+        capacity = int(cache_gb * GiB)
+        name, cache = make_replay_cache(cache_policy, capacity, lambda: access_keys(tb, ids))
+    cost = replay_routing(tb, ids, cache=cache)
+    n = cost.tokens
+    return ReplayResult(
+        tokens=n, link_bytes_per_token=(cost.host_bytes + cost.disk_bytes) / n,
+        host_link_bytes_per_token=cost.host_bytes / n, disk_read_bytes_per_token=cost.disk_bytes / n,
+        expert_reads=cost.expert_reads, cache_hits=cost.cache_hits, cache_misses=cost.expert_reads,
+        policy=policy or plan.policy, cache_policy=name, offloaded_bytes=plan.offloaded_bytes, cache_bytes=capacity)
+

@@ -1,0 +1,312 @@
+"""The device-side expert cache, runtime side: where a decode step reads each selected offloaded expert from.
+
+`load(cache_gb=X, cache_policy=P)` gives the runtime a `DeviceCache`: device memory carved once, at
+load, for offloaded routed experts that decode steps fetched, run by one policy object of
+cache_policy.py (the very objects `replay` drives, so the runtime's decisions are replay's).
+
+Which calls: decode steps only (one new token per sequence on a non-empty KV cache, the steps the
+LinkCounter's bytes per decoded token and a trace's `decode` rows are made of). A prefill reads its
+experts as without a cache and leaves the cache as it was: `replay` replays decode tokens, and a
+prompt's experts say little about the next tokens'.
+
+Order of accesses, as replay makes them: per step, layer by layer as the model runs them, per layer
+`policy.access((layer, expert), nbytes)` for each selected expert with offloaded bytes, ascending ids;
+nbytes is the expert's offloaded bytes over all its layer's fused tensors (accounting.TokenBytes).
+
+Memory: one arena of `pages x page_bytes` bytes (uint8 [pages, page_bytes]), where page_bytes is the
+greatest common divisor of the row bytes (one expert's slice) of every offloaded routed tensor. An
+admitted expert takes nbytes / page_bytes free pages, wherever they are, one run per tensor row. Every
+expert's bytes are a whole number of pages, so whatever set of experts the policy holds within
+capacity_bytes fits in capacity_bytes // page_bytes pages: no fragmentation, whatever the mix of sizes
+(tensors split between tiers give experts of different sizes). The arena is capacity_bytes rounded down
+to whole pages, and never more than every offloaded expert together; it never exceeds the cache size.
+
+Reads, for one layer step (both backends; the gathered order stays ascending by expert id, so the eager
+loop's arithmetic is the model's own):
+    resident stack (a split tensor's device experts)  device-local gather, no link bytes
+    hit                                               device-local gather from its pages, no link bytes
+    miss                                              read from the host over the link (the counted bytes);
+                                                      when the policy admits it, its row is then copied from
+                                                      the staged buffer into its pages (device-local)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Mapping, NoReturn
+
+import torch
+
+from ..routing.cache_policy import DEFAULT_CACHE_POLICY, ExpertCache, make_cache
+from ..errors import BudgetError, MoeOffloadError, SelectorError
+from ..planning.planner import DEFAULT_RESERVE_GB, GiB, format_bytes
+
+if TYPE_CHECKING:
+    from .experts import ExpertsState
+    from .runtime import Runtime
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+def cache_options(cache_gb, cache_policy: str | None) -> tuple[int, str]:
+    """(capacity in bytes, policy name) for load's cache_gb / cache_policy, checked; capacity 0 is no cache.
+
+    The policy is checked even for a zero size, so a misspelt one fails before anything loads."""
+    if cache_gb is None:
+        if cache_policy is not None:
+            raise SelectorError(f"cache_policy={cache_policy} without cache_gb: give the cache size too, "
+                                "e.g. cache_gb=1")
+        return 0, DEFAULT_CACHE_POLICY
+    if isinstance(cache_gb, bool) or not isinstance(cache_gb, (int, float)) or not math.isfinite(cache_gb) \
+            or cache_gb < 0:
+        raise BudgetError(f"cache_gb={cache_gb} is not a size: give a non-negative number of GiB "
+                          "(0, the default, is no cache)")
+    policy = cache_policy or DEFAULT_CACHE_POLICY
+    make_cache(policy, 0)  # unknown names and belady (replay only) are refused here, with the choices
+    return int(cache_gb * GiB), policy   # whole bytes, as replay counts them: never above cache_gb
+
+
+def check_capacity(capacity: int, plan) -> None:
+    """Refuse, before anything loads, a non-zero cache that cannot hold the plan's largest offloaded expert
+    (the policy could never admit it); a plan that offloads no routed expert leaves the cache empty."""
+    if not capacity:
+        return
+    tb = plan.token_bytes()
+    per_expert = tb.expert_host + tb.expert_disk        # [routed layers, E] offloaded bytes
+    if per_expert.size and int(per_expert.max()) > capacity:
+        row, e = divmod(int(per_expert.argmax()), per_expert.shape[1])
+        _too_small(capacity, int(per_expert.max()), tb.layers[row], e)
+
+
+def _too_small(capacity: int, nbytes: int, layer: int, expert: int) -> NoReturn:
+    raise BudgetError(f"cache_gb={capacity / GiB:.6g} ({capacity} bytes) cannot hold one expert: expert {expert} of "
+                      f"layer {layer} has {nbytes} offloaded bytes; give at least cache_gb={nbytes / GiB:.6g}, or 0 "
+                      "for no cache")
+
+
+def reserve_note(capacity: int, policy: str, device_memory_gb: float | None, reserve_gb: float | None) -> str | None:
+    """With device_memory_gb the cache is taken out of the reserve: the plan note, or BudgetError if it does not
+    fit there. None without device_memory_gb (the cache is then device memory on top of the resident weights)."""
+    if device_memory_gb is None or not capacity:
+        return None
+    reserve = reserve_gb if reserve_gb is not None else DEFAULT_RESERVE_GB
+    room = math.floor(reserve * GiB)
+    if capacity > room:
+        raise BudgetError(f"cache_gb={capacity / GiB:g} does not fit in the {reserve:g} GiB reserve "
+                          f"({format_bytes(capacity)} > {format_bytes(room)}): with device_memory_gb the cache is "
+                          "taken out of the reserve kept for activations and the KV cache; give a larger "
+                          f"reserve_gb (at least {capacity / GiB:g} plus room for activations) or a smaller cache")
+    return (f"the device-side expert cache ({format_bytes(capacity)}, {policy}) is taken out of the {reserve:g} GiB "
+            f"reserve: {format_bytes(room - capacity)} of it remain for activations and the KV cache")
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One experts module's offloaded tensors, as the cache sees them."""
+
+    layer: int
+    module: str                             # its dotted name (for invalidation by tensor name)
+    names: tuple[str, ...]                  # offloaded tensors (local names), in the experts function's order
+    row_bytes: tuple[int, ...]              # per tensor: bytes of one expert's slice
+    host_row: tuple[tuple[int | None, ...], ...]      # per tensor, per expert: its row in the host stack or None
+    resident_row: tuple[tuple[int | None, ...], ...]  # per tensor, per expert: its row in the resident stack or None
+    nbytes: tuple[int, ...]                 # per expert: offloaded bytes over every tensor (0: resident in all)
+
+
+def _layout(module: str, state: "ExpertsState") -> _Layer:
+    names, row_bytes, host_rows, resident_rows = [], [], [], []
+    experts = state.num_experts
+    for name, t in state.offloaded.items():
+        split = state.split.get(name)
+        host_ids = split.host_ids if split is not None else tuple(range(t.shape[0]))
+        resident_ids = split.resident_ids if split is not None else ()
+        host = [None] * experts
+        for row, e in enumerate(host_ids):
+            host[e] = row
+        resident = [None] * experts
+        for row, e in enumerate(resident_ids):
+            resident[e] = row
+        names.append(name)
+        row_bytes.append(t[0].numel() * t.element_size())
+        host_rows.append(tuple(host))
+        resident_rows.append(tuple(resident))
+    nbytes = tuple(sum(b for b, rows in zip(row_bytes, host_rows) if rows[e] is not None) for e in range(experts))
+    return _Layer(state.layer, module, tuple(names), tuple(row_bytes), tuple(host_rows), tuple(resident_rows), nbytes)
+
+
+class DeviceCache:
+    """Offloaded routed experts kept on the device, in pages carved once, under one cache policy."""
+
+    def __init__(self, policy: str, capacity_bytes: int):
+        self.policy_name = policy
+        self.capacity_bytes = capacity_bytes
+        self.policy: ExpertCache = make_cache(policy, capacity_bytes)
+        self.page_bytes = 0
+        self.arena: torch.Tensor | None = None   # uint8 [pages, page_bytes] on the device
+        self._free: list[int] = []                # free page ids (a stack)
+        self._pages: dict[Key, tuple[list[int], ...]] = {}   # resident key -> per tensor of its layer, its pages
+        self._layers: dict[int, _Layer] = {}
+
+    # --- layout ------------------------------------------------------------------------------
+    def attach(self, states: Mapping[str, "ExpertsState"], device: torch.device) -> None:
+        """Lay the cache out over the experts modules' offloaded tensors (module name -> state); carves the arena
+        the first time, and again only when a transform changed the row sizes. Anything cached is dropped: it
+        was copied from the weights as they were before."""
+        self.drop_all()
+        layers: dict[int, _Layer] = {}
+        for module, state in states.items():
+            if state.layer is None or not state.offloaded:
+                continue
+            if state.layer in layers:
+                raise MoeOffloadError(f"{module} and {layers[state.layer].module} are two experts modules of layer "
+                                      f"{state.layer} with offloaded experts; the device-side cache keys experts by "
+                                      "(layer, expert), as traces and replay do: load without cache_gb")
+            layers[state.layer] = _layout(module, state)
+        self._layers = layers
+        rows = [b for lay in layers.values() for b in lay.row_bytes]
+        if not rows:   # nothing routed is offloaded: nothing to cache, nothing carved
+            self.page_bytes, self.arena, self._free = 0, None, []
+            return
+        page = math.gcd(*rows)
+        biggest = max((n, lay.layer, e) for lay in layers.values() for e, n in enumerate(lay.nbytes))
+        if biggest[0] > self.capacity_bytes:   # check_capacity refused it from the plan already, unless transformed
+            _too_small(self.capacity_bytes, *biggest)
+        total = sum(n // page for lay in layers.values() for n in lay.nbytes)
+        pages = min(self.capacity_bytes // page, total)
+        if self.arena is None or tuple(self.arena.shape) != (pages, page) or self.arena.device != device:
+            self.arena = torch.empty((pages, page), dtype=torch.uint8, device=device)
+        self.page_bytes = page
+        self._free = list(range(pages - 1, -1, -1))   # pop() hands out the lowest first
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory the cache holds: its arena."""
+        return 0 if self.arena is None else self.arena.numel()
+
+    # --- contents ----------------------------------------------------------------------------
+    def _claim(self, key: Key, lay: _Layer, expert: int) -> None:
+        pages = []
+        for b, rows in zip(lay.row_bytes, lay.host_row):
+            n = b // self.page_bytes if rows[expert] is not None else 0
+            assert n <= len(self._free), "the policy admitted more bytes than the arena holds"
+            pages.append([self._free.pop() for _ in range(n)])
+        self._pages[key] = tuple(pages)
+
+    def _release(self, key: Key) -> None:
+        for pages in self._pages.pop(key):
+            self._free.extend(pages)
+
+    def drop_all(self) -> None:
+        """Forget every cached copy (the policy keeps its history, as after an invalidation)."""
+        for key in list(self._pages):
+            self.policy.invalidate(key)
+            self._release(key)
+
+    def invalidate(self, names: Iterable[str] | None = None) -> list[Key]:
+        """Drop the cached copies of experts of these tensors (dotted names; None: all); returns the keys dropped."""
+        if names is None:
+            dropped = list(self._pages)
+            self.drop_all()
+            return dropped
+        by_module = {lay.module: lay for lay in self._layers.values()}
+        dropped = []
+        for name in names:
+            module, _, local = name.rpartition(".")
+            lay = by_module.get(module)
+            if lay is None or local not in lay.names:
+                continue
+            rows = lay.host_row[lay.names.index(local)]
+            for e, row in enumerate(rows):
+                key = (lay.layer, e)
+                if row is not None and key in self._pages:
+                    self.policy.invalidate(key)
+                    self._release(key)
+                    dropped.append(key)
+        return dropped
+
+    def reset(self) -> None:
+        """Empty, with a fresh policy (no history, counts at 0): as just after load."""
+        self.drop_all()
+        self.policy = make_cache(self.policy_name, self.capacity_bytes)
+
+    def contents(self) -> set[Key]:
+        return set(self._pages)
+
+    def stats(self) -> dict:
+        return {"cache_policy": self.policy_name, "cache_bytes": self.capacity_bytes, "cache_hits": self.policy.hits,
+                "cache_misses": self.policy.misses, "cache_evictions": self.policy.evictions,
+                "cache_declined": self.policy.declined, "cache_device_bytes": self.device_bytes,
+                "cache_page_bytes": self.page_bytes}
+
+    # --- one layer step ----------------------------------------------------------------------
+    def gather(self, rt: "Runtime", state: "ExpertsState", selected: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The `selected` experts (ascending ids) of every offloaded tensor of `state`, gathered in that order into
+        the runtime's reused buffers: local name -> [U, ...]. Counts the link bytes of the misses."""
+        lay = self._layers[state.layer]
+        ids = selected.tolist()
+        # The policy decides first, expert by expert in ascending id order (replay's order).
+        hit, admitted = [False] * len(ids), [False] * len(ids)
+        policy = self.policy
+        for i, e in enumerate(ids):
+            nbytes = lay.nbytes[e]
+            if not nbytes:
+                continue
+            key = (lay.layer, e)
+            hit[i] = policy.access(key, nbytes)
+            for victim in policy.last_evicted:   # never of this layer step: the policy protects the step's experts
+                self._release(victim)
+            if not hit[i] and key in policy:
+                self._claim(key, lay, e)
+                admitted[i] = True
+        dev, page, layer = rt.device, self.page_bytes, lay.layer
+        staged = {}
+        for t, name in enumerate(lay.names):
+            host = state.offloaded[name]
+            out = rt.rows_buffer(name, host, len(ids))
+            k = lay.row_bytes[t] // page if page else 0   # pages per row
+            host_row, resident_row = lay.host_row[t], lay.resident_row[t]
+            resident_pos, resident_rows, link_pos, link_rows = [], [], [], []
+            cached_rows, cached_pages, admit_rows, admit_pages = [], [], [], []
+            for i, e in enumerate(ids):
+                if host_row[e] is None:
+                    resident_pos.append(i)
+                    resident_rows.append(resident_row[e])
+                elif hit[i]:
+                    cached_rows.extend(range(i * k, i * k + k))
+                    cached_pages.extend(self._pages[(layer, e)][t])
+                else:
+                    link_pos.append(i)
+                    link_rows.append(host_row[e])
+                    if admitted[i]:
+                        admit_rows.extend(range(i * k, i * k + k))
+                        admit_pages.extend(self._pages[(layer, e)][t])
+            rt.counter.add(lay.row_bytes[t] * len(link_pos))        # only misses cross the link
+            if resident_pos:
+                resident = state.split[name].resident
+                out.index_copy_(0, _index(resident_pos, dev), resident.index_select(0, _index(resident_rows, dev)))
+            if link_pos:
+                where = host.device if host.device == dev else torch.device("cpu")
+                rt._copy_rows(host, _index(link_rows, where), out, positions=_index(link_pos, where))
+            if cached_rows or admit_rows:
+                out_pages = out.view(-1).view(torch.uint8).view(-1, page)   # [U * k, page_bytes]
+                if cached_rows:
+                    out_pages.index_copy_(0, _index(cached_rows, dev),
+                                          self.arena.index_select(0, _index(cached_pages, dev)))
+                if admit_rows:   # after the link copy landed in `out` (same stream): out -> its pages
+                    self.arena.index_copy_(0, _index(admit_pages, dev),
+                                           out_pages.index_select(0, _index(admit_rows, dev)))
+            staged[name] = out
+        return staged
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def cache_stats(cache: DeviceCache | None) -> dict:
+    """The cache's counts for reports (generate --json, bench rows); without a cache: no policy, all zeros."""
+    if cache is None:
+        return {"cache_policy": None, "cache_bytes": 0, "cache_hits": 0, "cache_misses": 0, "cache_evictions": 0,
+                "cache_declined": 0, "cache_device_bytes": 0, "cache_page_bytes": 0}
+    return cache.stats()

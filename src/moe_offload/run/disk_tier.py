@@ -1,0 +1,393 @@
+"""The disk tier at run time: tensors the plan leaves on disk are read from the checkpoint's own safetensors
+files (disk.py) when the model runs, never at load, never copied to another folder.
+
+The loader builds a `DiskTier` from the plan and the checkpoint's slots (layouts.py): for each disk-tier
+in-memory tensor, the checkpoint tensors that fill it (`DiskTensor.pieces`: reader + Slot). The model holds a
+meta placeholder of the tensor's shape (no memory); the runtime reads:
+
+- routed experts: only the experts the router selected (`DiskTensor.read_rows`), into the runtime's reused
+  row buffers (or, on an accelerator, into pinned staging buffers sized for one tensor's E experts, then
+  copied): one read per checkpoint tensor of each selected expert, adjacent ones coalesced by the reader;
+  a fused on-disk tensor `[E, ...]` is read by runs of consecutive expert ids;
+- the input embedding: the rows of the distinct token ids of the call;
+- every other (dense) tensor: whole, per decoder layer, one layer ahead on a background thread
+  (disk.DensePrefetcher: two slots of the largest layer's dense disk bytes).
+
+Bytes are counted in the runtime's `disk_counter` (a LinkCounter beside the host link's), with the same
+definition as accounting.py's `disk_read_bytes_per_token`: bytes // E per selected expert, one row per
+distinct token id, dense tensors in full. The readers' own `bytes_read` (alignment included) and
+`read_calls` are what the disk really delivered. A checkpoint file changed or cut short after load is a
+CheckpointError at the read (disk.py).
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+import torch.nn as nn
+
+from ..storage.disk import DensePrefetcher, SafetensorsReader, checkpoint_readers
+from ..errors import CheckpointError, MoeOffloadError
+from ..model.inventory import layer_prefix
+from ..formats.layouts import Slot
+from ..storage.host import HostArena, set_tensor
+
+if TYPE_CHECKING:
+    from ..planning.planner import Plan
+    from .runtime import Runtime
+    from ..storage.host import ExpertSplit
+
+
+# Selected experts' reads issued at once (one per expert and file): a disk serves a few requests in flight faster
+# than one at a time.
+READS_IN_FLIGHT = 4
+
+
+@dataclass(frozen=True)
+class DiskTensor:
+    """One in-memory tensor held on the disk tier: its full shape and dtype, and where its bytes are."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: tuple[tuple[SafetensorsReader, Slot], ...]
+    experts: int | None          # E for a routed-expert tensor [E, ...] read by expert, else None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * self.dtype.itemsize
+
+    @property
+    def prefetchable(self) -> bool:
+        """Read as stored in one piece (no transpose, concatenation or dtype change): a prefetch slot's view
+        of the stored bytes is the tensor itself."""
+        if len(self.pieces) != 1:
+            return False
+        reader, slot = self.pieces[0]
+        span = reader.span(slot.key)
+        return slot.is_whole and slot.transpose is None and span.dtype == self.dtype and span.shape == self.shape
+
+    def read_rows(self, ids: Sequence[int], out: torch.Tensor, pool: ThreadPoolExecutor | None = None) -> None:
+        """out[j] = this tensor's row ids[j] (expert or table row), for a contiguous CPU `out` [len(ids), ...].
+
+        `pool`: the selected experts' reads (one per expert and file) are issued on it concurrently: the disk
+        serves several requests in flight faster than one at a time (buffered reads; O_DIRECT ones share their
+        reader's bounce buffer and so run in turn)."""
+        ids = [int(e) for e in ids]
+        pos = {e: j for j, e in enumerate(ids)}
+        batched: dict[tuple[int, int], tuple[SafetensorsReader, list[str], list[torch.Tensor]]] = {}
+        for reader, slot in self.pieces:
+            if slot.expert is not None:                  # one checkpoint tensor per expert
+                j = pos.get(slot.expert)
+                if j is None:
+                    continue
+                dst = _part(out[j], slot)
+                if _direct(reader, slot, dst):           # read straight into its place, coalesced per file
+                    entry = batched.setdefault((id(reader), j), (reader, [], []))
+                    entry[1].append(slot.key)
+                    entry[2].append(dst)
+                else:
+                    _convert_into(dst, reader.read(slot.key), slot)
+            else:                                        # one checkpoint tensor spans every row
+                if slot.parts > 1 and slot.part_dim == 0:
+                    raise CheckpointError(f"checkpoint tensor {slot.key!r} is concatenated along the experts dim "
+                                          f"of {self.name}; the disk tier cannot read its experts apart: keep "
+                                          "it on the host or device")
+                dst = out
+                if slot.parts > 1:
+                    size = out.shape[slot.part_dim + 1] // slot.parts
+                    dst = out.narrow(slot.part_dim + 1, slot.part * size, size)
+                span = reader.span(slot.key)
+                if slot.transpose is None and span.dtype == out.dtype and dst.is_contiguous():
+                    reader.read_experts(slot.key, ids, out=dst)
+                else:
+                    _convert_into(dst, reader.read_experts(slot.key, ids), slot, leading=True)
+        jobs = list(batched.values())
+        if pool is not None and len(jobs) > 1:
+            for done in [pool.submit(reader.read_tensors, keys, outs) for reader, keys, outs in jobs]:
+                done.result()           # re-raises a read's CheckpointError here
+        else:
+            for reader, keys, outs in jobs:
+                reader.read_tensors(keys, outs)
+
+    def read_whole(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype) if out is None else out
+        if self.experts is not None or any(s.expert is not None for _, s in self.pieces):
+            self.read_rows(range(self.shape[0]), out)
+            return out
+        for reader, slot in self.pieces:
+            dst = _part(out, slot)
+            if _direct(reader, slot, dst):
+                reader.read(slot.key, out=dst)
+            else:
+                _convert_into(dst, reader.read(slot.key), slot)
+        return out
+
+
+def _part(dst: torch.Tensor, slot: Slot) -> torch.Tensor:
+    if slot.parts > 1:
+        size = dst.shape[slot.part_dim] // slot.parts
+        dst = dst.narrow(slot.part_dim, slot.part * size, size)
+    return dst
+
+
+def _direct(reader: SafetensorsReader, slot: Slot, dst: torch.Tensor) -> bool:
+    span = reader.span(slot.key)
+    return (dst.device.type == "cpu" and dst.is_contiguous() and span.dtype == dst.dtype
+            and span.shape == tuple(dst.shape)
+            and (slot.transpose is None or slot.transpose_if_needed))
+
+
+def _convert_into(dst: torch.Tensor, src: torch.Tensor, slot: Slot, leading: bool = False) -> None:
+    """As the loader writes a checkpoint tensor: transposed first where its slot says (only when it does not
+    already fit, for transformers' check_dims), then copied (converting the dtype where --dtype asks)."""
+    if slot.transpose is not None and not (slot.transpose_if_needed and tuple(src.shape) == tuple(dst.shape)):
+        src = src.transpose(*slot.transpose)
+    if tuple(src.shape) != tuple(dst.shape):
+        raise CheckpointError(f"checkpoint tensor {slot.key!r} has shape {list(src.shape)} where its place in "
+                              f"{slot.target} has {list(dst.shape)}; the checkpoint does not match config.json")
+    dst.copy_(src)
+
+
+class DiskTier:
+    """The disk-tier tensors of one loaded model, their readers, staging and prefetching."""
+
+    def __init__(self, tensors: dict[str, DiskTensor], readers: list[SafetensorsReader], device: torch.device):
+        self.tensors = tensors
+        self.readers = readers
+        self.device = device
+        self.prefetcher: DensePrefetcher | None = None
+        self.notes: list[str] = []
+        # Accelerator only: pinned staging the selected experts land in before their copy to the device, one
+        # buffer per tensor sized for all its E experts (exact, pinned in place: storage.HostArena).
+        self._arena = HostArena(device, want_uva=False) if device.type != "cpu" else None
+        self._staging: dict[tuple, torch.Tensor] = {}
+        self._pool = ThreadPoolExecutor(max_workers=READS_IN_FLIGHT, thread_name_prefix="moe-offload-disk-experts")
+
+    @classmethod
+    def build(cls, folder: Path, plan: "Plan", slots: dict[str, Slot], device: torch.device,
+              quant: dict | None = None, tied=()) -> "DiskTier | None":
+        from ..planning.planner import Tier
+
+        on_disk = {t.name: t for t in plan.tensors if t.tier == Tier.DISK}
+        if not on_disk:
+            return None
+        quantized = sorted(set(on_disk) & set(quant or {}))
+        if quantized:
+            raise MoeOffloadError(f"the plan puts {len(quantized)} quantized tensor(s) on disk (first: "
+                                  f"{quantized[0]}); the disk tier reads unquantized checkpoints only so far: "
+                                  "plan with --host-memory large enough for them")
+        shared = sorted({n for pair in tied for n in pair} & set(on_disk))
+        if shared:
+            raise MoeOffloadError(f"the plan puts {shared[0]} on disk, but it is tied to another tensor (a tied "
+                                  "embedding and LM head); the disk tier reads untied tensors only so far: plan it on "
+                                  "the host or device (e.g. --offload-params experts)")
+        spanning = [n for n, t in on_disk.items()
+                    if getattr(t, "disk_expert_ids", ()) and set(t.disk_expert_ids) != set(t.host_ids)]
+        if spanning:
+            t = on_disk[spanning[0]]
+            raise MoeOffloadError(f"the plan puts experts of {t.name} in host memory and others on disk (disk: "
+                                  f"{list(t.disk_expert_ids)[:8]}, off the device: {list(t.host_ids)[:8]}); one "
+                                  "tensor split across three tiers is not loadable yet: plan with --host-memory "
+                                  "that holds whole tensors, or put all of its offloaded experts on one tier")
+        by_key, readers = checkpoint_readers(folder)
+        try:
+            pieces: dict[str, list] = {name: [] for name in on_disk}
+            for key, slot in slots.items():
+                if slot.target in pieces:
+                    pieces[slot.target].append((by_key[key], slot))
+            tensors = {}
+            for name, t in on_disk.items():
+                if not pieces[name]:
+                    raise CheckpointError(f"{folder}: no checkpoint tensor fills {name}, which the plan puts on "
+                                          "disk; the disk tier reads tensors from the checkpoint: plan it on the "
+                                          "host or device")
+                dtype = _dtype(t.dtype)
+                routed = t.role == "routed_expert" and t.experts and len(t.shape) >= 2 and t.shape[0] == t.experts
+                tensors[name] = DiskTensor(name, tuple(t.shape), dtype, tuple(pieces[name]),
+                                           t.experts if routed else None)
+        except BaseException:
+            for r in readers:
+                r.close()
+            raise
+        return cls(tensors, readers, device)
+
+    # --- report ---------------------------------------------------------------------------
+    @property
+    def mechanism(self) -> str:
+        kinds = sorted({r.mechanism for r in self.readers})
+        return "disk tier read in place from the checkpoint, " + "; ".join([*kinds, *self.notes])
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(r.bytes_read for r in self.readers)
+
+    @property
+    def read_calls(self) -> int:
+        return sum(r.read_calls for r in self.readers)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory the disk tier holds for reading: prefetch slots, pinned staging, O_DIRECT bounces."""
+        pool = self.prefetcher.pool_bytes if self.prefetcher is not None else 0
+        return pool + sum(b.numel() * b.element_size() for b in self._staging.values()) + \
+            sum(r.bounce_bytes for r in self.readers)
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        self._pool.shutdown(wait=True)
+        for r in self.readers:
+            r.close()
+        if self._arena is not None:
+            self._arena.release()
+
+    # --- experts --------------------------------------------------------------------------
+    def stage_experts(self, rt: "Runtime", src: DiskTensor, selected: torch.Tensor, split: "ExpertSplit | None",
+                      *, key: str) -> torch.Tensor:
+        """The `selected` experts (ascending ids) of `src`, in that order, in a reused device buffer [U, ...]:
+        those on disk read from the checkpoint, a split tensor's resident ones by a device-local gather."""
+        out = rt._buffer(("rows", key, src.shape[1:], src.dtype), (selected.numel(), *src.shape[1:]), src.dtype)
+        if split is None:
+            ids = selected.tolist()
+            self._read_rows(src, ids, out, key)
+        else:
+            mask = split.on_host[selected]                      # on disk, for a disk-tier split
+            rows = split.row[selected]
+            here, there = (~mask).nonzero().squeeze(1), mask.nonzero().squeeze(1)
+            out.index_copy_(0, here, split.resident.index_select(0, rows[here]))
+            ids = selected[there].tolist()
+            if ids:
+                tmp = rt._buffer(("disk-rows", key, src.shape[1:], src.dtype), (len(ids), *src.shape[1:]),
+                                 src.dtype)
+                self._read_rows(src, ids, tmp, key)
+                out.index_copy_(0, there, tmp)
+        rt.disk_counter.add(src.row_bytes * len(ids))
+        return out
+
+    def _read_rows(self, src: DiskTensor, ids: list[int], out: torch.Tensor, key: str) -> None:
+        if out.device.type == "cpu":
+            src.read_rows(ids, out, self._pool)
+            return
+        # Expert tensors: pinned staging for all E experts, reused. A lookup table's rows (as many as the call's
+        # distinct tokens, of a table far larger) go through a temporary of their own size instead.
+        stage = self._pinned(key, src)[:len(ids)] if src.experts is not None else \
+            torch.empty((len(ids), *src.shape[1:]), dtype=src.dtype)
+        src.read_rows(ids, stage, self._pool)
+        out.copy_(stage)        # synchronous: the staging buffer is reused by the next read
+
+    def _pinned(self, key: str, src: DiskTensor) -> torch.Tensor:
+        k = ("pinned", key, src.shape[1:], src.dtype)
+        buf = self._staging.get(k)
+        if buf is None:
+            shape = (src.shape[0], *src.shape[1:])
+            buf = self._arena.allocate(f"disk staging {key}", [(key, shape, src.dtype)])[key][0]
+            self._staging[k] = buf
+        return buf
+
+    # --- dense tensors and the embedding --------------------------------------------------
+    def attach_dense(self, rt: "Runtime", model: nn.Module, experts_modules: set[str]) -> None:
+        """Hooks that read every disk-tier tensor outside the experts modules while its module runs."""
+        tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
+        groups: dict[str, list[tuple[str, DiskTensor]]] = {}
+        modules = dict(model.named_modules())
+        for name, src in self.tensors.items():
+            mod_name, _, local = name.rpartition(".")
+            if mod_name in experts_modules or name not in tensors:
+                continue
+            mod = modules[mod_name]
+            if isinstance(mod, nn.Embedding) and local == "weight":
+                self._hook_embedding(rt, mod, src)
+                continue
+            group = layer_prefix(mod_name)
+            group = mod_name if group is None else group
+            rel = name[len(group):].lstrip(".")
+            groups.setdefault(group, []).append((rel, src))
+        order = [g for g in modules if g in groups]              # declaration order: the order layers run
+        outer = {g for g in order if any(o != g and o.startswith(f"{g}." if g else "") for o in order)}
+        fetched = [g for g in order if g not in outer and all(s.prefetchable for _, s in groups[g])]
+        slow = [g for g in order if g not in fetched]
+        if slow and not self.notes:
+            self.notes.append(f"{len(slow)} group(s) of dense disk tensors are read when they run, not ahead "
+                              f"(first: {slow[0]}): stored transposed, split or in another dtype, or enclosing "
+                              "other groups")
+        if self.prefetcher is not None:   # attached again (after a detach): the old slots go
+            self.prefetcher.close()
+            self.prefetcher = None
+        if fetched:
+            self.prefetcher = DensePrefetcher([[(s.pieces[0][0], s.pieces[0][1].key) for _, s in groups[g]]
+                                               for g in fetched])
+        index = {g: i for i, g in enumerate(fetched)}
+        for g in order:
+            self._hook_group(rt, modules[g], groups[g], index.get(g))
+
+    def _hook_group(self, rt: "Runtime", mod: nn.Module, members: list[tuple[str, DiskTensor]],
+                    index: int | None) -> None:
+        nbytes = sum(s.nbytes for _, s in members)
+        placeholders = [(rel, _get(mod, rel)) for rel, _ in members]
+
+        def pre(m, args):
+            rt.disk_counter.add(nbytes)                          # dense: read in full, every call
+            if index is not None:
+                views = self.prefetcher.get(index)
+                live = [views[s.pieces[0][1].key] for _, s in members]
+            else:
+                live = [s.read_whole() for _, s in members]
+            for (rel, s), t in zip(members, live):
+                if t.device != rt.device:
+                    t = t.to(rt.device)
+                set_tensor(m, rel, t)
+
+        def post(m, args, output):
+            for rel, ph in placeholders:
+                set_tensor(m, rel, ph)
+
+        rt._handles.append(mod.register_forward_pre_hook(pre))
+        rt._handles.append(mod.register_forward_hook(post))
+
+    def _hook_embedding(self, rt: "Runtime", mod: nn.Embedding, src: DiskTensor) -> None:
+        placeholder, padding = mod.weight, mod.padding_idx
+
+        def pre(m, args):
+            (ids,) = args[:1]
+            rows = torch.unique(ids)                             # only these rows are read
+            rt.disk_counter.add(rows.numel() * src.row_bytes)
+            out = rt._buffer(("rows", "disk-embedding", src.shape[1:], src.dtype), (rows.numel(), *src.shape[1:]),
+                             src.dtype)
+            self._read_rows(src, rows.tolist(), out, "disk-embedding")
+            set_tensor(m, "weight", out)
+            m.padding_idx = None   # it indexes the full table; the staged rows are renumbered
+            return (torch.searchsorted(rows, ids), *args[1:])
+
+        def post(m, args, output):
+            set_tensor(m, "weight", placeholder)
+            m.padding_idx = padding
+
+        rt._handles.append(mod.register_forward_pre_hook(pre))
+        rt._handles.append(mod.register_forward_hook(post))
+
+
+def placeholder(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """What the model holds for a disk-tier tensor between reads: its shape and dtype, no memory."""
+    return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise MoeOffloadError(f"the disk tier cannot hold a {name} tensor; plan it on the host or device")
+    return dt
+
+
+def _get(mod: nn.Module, path: str) -> torch.Tensor:
+    owner, _, name = path.rpartition(".")
+    return getattr(mod.get_submodule(owner) if owner else mod, name)

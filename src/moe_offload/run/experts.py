@@ -1,0 +1,168 @@
+"""Fused experts modules as the runtime drives them: which experts a call reads, and from where.
+
+transformers' experts registry (`ALL_EXPERTS_FUNCTIONS`) lets the function registered here
+see `top_k_index` before any expert weight is touched. It is installed on every experts
+module of a loaded model, so it also serves as the routing observer (`RoutedCall`, for
+`profile`), offloaded or not. A module with nothing offloaded runs the class's own eager
+forward unchanged.
+
+For a module with offloaded experts only the experts the router selected are read:
+
+- whole tensors on the host, uva backend: the eager forward indexes the selected experts of
+  the host view in place; the distinct experts are counted at the end of the forward call
+  (one synchronisation per step, not per layer);
+- otherwise (prefetch, or any tensor split between tiers): the U selected experts are
+  gathered, in ascending expert order, into reused buffers, each from the stack that holds
+  it (a split tensor's resident stack on the device, its host stack over the link), and the
+  routing is renumbered 0..U-1. The eager loop then visits the same experts in the same
+  order with the same values: bit-identical arithmetic, whatever subset lies on the host.
+
+A module whose experts are held quantized (FP8, MXFP4: quant_weights.py) always takes the gathering
+path, resident or not: its values and scales are gathered as stored, then exactly the selected experts
+are dequantized on the device into reused buffers, and the eager loop runs on those.
+
+Tensors on the disk tier (disk_tier.py) always take the gathering path: the selected experts are read from
+the checkpoint into the same reused buffers, counted in the runtime's disk counter.
+
+Link bytes count only the selected experts that are on the host. With a device-side expert cache
+(device_cache.py), a decode step gathers every offloaded tensor the same way, each selected expert
+from its cache pages (a hit: no link bytes), its resident stack, or the host (a miss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.nn as nn
+
+from ..storage.host import ExpertSplit
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+EXPERTS_IMPL = "moe_offload"
+
+
+@dataclass(frozen=True)
+class RoutedCall:
+    """The routing of one forward call of the whole model, as its experts modules saw it."""
+
+    tokens: int                        # new tokens per sequence in this call
+    decode: bool                       # a step on a non-empty KV cache (else prefill)
+    experts: dict[int, torch.Tensor]   # decoder layer N (model.layers.N) -> top_k_index [sequences * tokens, k], cpu
+
+    @property
+    def phase(self) -> str:
+        """Every token of a call shares it: `decode` or `prefill`."""
+        return "decode" if self.decode else "prefill"
+
+
+Recorder = Callable[[RoutedCall], None]
+
+
+def original_forward(module: nn.Module) -> Callable:
+    # `use_experts_implementation` wraps the class's eager forward with functools.wraps.
+    fwd = type(module).forward
+    return getattr(fwd, "__wrapped__", fwd)
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    return hasattr(type(module).forward, "__wrapped__") and "Experts" in type(module).__name__
+
+
+class _StagedExperts:
+    """The experts module as its eager forward sees it, with some tensors replaced by gathered copies."""
+
+    def __init__(self, module: nn.Module, tensors: dict[str, torch.Tensor], num_experts: int):
+        object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "_tensors", tensors)
+        object.__setattr__(self, "num_experts", num_experts)
+
+    def __getattr__(self, name):
+        tensors = object.__getattribute__(self, "_tensors")
+        if name in tensors:
+            return tensors[name]
+        return getattr(object.__getattribute__(self, "_module"), name)
+
+
+def experts_forward(module, hidden_states, top_k_index, top_k_weights):
+    """Experts function for transformers' registry."""
+    state: ExpertsState | None = getattr(module, "_moe_offload_state", None)
+    if state is None:
+        return original_forward(module)(module, hidden_states, top_k_index, top_k_weights)
+    return state.run(module, hidden_states, top_k_index, top_k_weights)
+
+
+def register_experts_function() -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if EXPERTS_IMPL not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPL, experts_forward)
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return t[0].numel() * t.element_size()
+
+
+@dataclass
+class ExpertsState:
+    runtime: "Runtime"
+    offloaded: dict[str, torch.Tensor]  # local name -> host tensor or host stack (device-visible view for uva)
+    num_experts: int
+    split: dict[str, ExpertSplit] = field(default_factory=dict)  # local name -> layout, tensors split by expert
+    layer: int | None = None            # N of model.layers.N, for the routing recorder
+    # local name -> quant_weights.QuantLayout of tensors held quantized: their selected experts are gathered as
+    # stored (values and scales, fp8 as bytes), then dequantized on the device before the eager forward
+    quant: dict = field(default_factory=dict)
+    # local name -> disk_tier.DiskTensor of tensors on the disk tier: their selected experts are read from the
+    # checkpoint (a disk-tier split tensor's layout is in `split`, its disk experts as the "host" ids)
+    disk: dict = field(default_factory=dict)
+
+    def run(self, module, hidden_states, top_k_index, top_k_weights):
+        # top_k_index: [T, k] expert ids; the selected experts are the only ones read.
+        rt = self.runtime
+        if rt.recorder is not None and self.layer is not None:
+            rt.routed[self.layer] = top_k_index.detach()
+        if not self.offloaded and not self.quant and not self.disk:
+            return original_forward(module)(module, hidden_states, top_k_index, top_k_weights)
+        # A decode step with a device cache reads each selected expert from its cache pages when it holds it
+        # (device_cache.py), so even uva's whole host tensors are then gathered rather than read in place.
+        cached = rt.cache_step and bool(self.offloaded) and self.layer is not None
+        if rt.backend == "uva" and not self.split and not cached and not self.quant and not self.disk:
+            # In place: the eager forward indexes each selected expert of the host view. Counting distinct
+            # experts needs their number on the host, so it waits for the end of the forward call.
+            per_expert = sum(_row_bytes(t) for t in self.offloaded.values())
+            rt.routes.append((top_k_index.detach(), per_expert))
+            return original_forward(module)(module, hidden_states, top_k_index, top_k_weights)
+        # Gather the U selected experts into reused buffers and renumber them 0..U-1: the eager loop then
+        # visits them in the same ascending order, with the same values (bit-identical arithmetic).
+        selected = torch.unique(top_k_index)                     # [U], ascending
+        local = torch.searchsorted(selected, top_k_index)       # [T, k] in 0..U-1
+        on_host: dict[tuple[int, ...], tuple[torch.Tensor, int]] = {}   # host_ids -> (mask [U], count)
+        staged = rt.cache.gather(rt, self, selected) if cached else {}
+        for name, src in self.disk.items():                     # read from the checkpoint (disk_tier.py)
+            staged[name] = rt.disk.stage_experts(rt, src, selected, self.split.get(name), key=name)
+        for name, t in self.offloaded.items():
+            if name in staged:                                  # gathered through the device cache
+                continue
+            split = self.split.get(name)
+            if split is None:
+                rt.counter.add(_row_bytes(t) * selected.numel())
+                staged[name] = rt.stage_rows(t, selected, key=name)
+                continue
+            if split.host_ids not in on_host:                   # tensors of one layout share the lookup
+                mask = split.on_host[selected]
+                on_host[split.host_ids] = (mask, int(mask.sum()))
+            mask, count = on_host[split.host_ids]
+            rt.counter.add(_row_bytes(t) * count)
+            staged[name] = rt.stage_split(split, t, selected, mask, key=name)
+        if self.quant:   # the gathered stored bytes -> the selected experts in the compute dtype (quant_weights.py)
+            rt.dequantizer.selected_experts(module, self.quant, staged, selected)
+        for name, p in module.named_parameters(recurse=False):
+            # Resident per-expert tensors are renumbered too (a device-local gather, no link bytes).
+            if name not in staged and p.dim() >= 1 and p.shape[0] == self.num_experts:
+                staged[name] = p.index_select(0, selected)
+        view = _StagedExperts(module, staged, selected.numel())
+        return original_forward(module)(view, hidden_states, local, top_k_weights)
