@@ -20,8 +20,9 @@ import torch
 import transformers
 
 from moe_offload.planning.planner import GiB
-from moe_offload.tiny import make as tiny
-from moe_offload.tiny.make import AUTO_CLASSES, make_tiny
+from moe_offload.tiny import families as tiny
+from moe_offload.tiny.families import AUTO_CLASSES
+from moe_offload.tiny.make import make_tiny
 
 FAMILIES = tiny.FAMILIES  # every family make_tiny writes
 SIZES = dict(layers=2, experts=6, top_k=2, hidden=32)

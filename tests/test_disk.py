@@ -21,7 +21,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from moe_offload.storage.disk import DIRECT_ALIGN, DensePrefetcher, SafetensorsReader, checkpoint_readers
+from moe_offload.storage.disk import DIRECT_ALIGN, SafetensorsReader, checkpoint_readers
+from moe_offload.storage.disk_prefetch import DensePrefetcher
 from moe_offload.errors import CheckpointError
 from moe_offload.tiny.make import make_tiny
 

@@ -21,12 +21,15 @@ from safetensors.torch import load_file, save_file
 
 from moe_offload.cli.main import main
 from moe_offload.errors import CheckpointError
-from moe_offload.model.inventory import from_checkpoint, from_config, read_config, read_headers
+from moe_offload.model.checkpoint import read_headers
+from moe_offload.model.config import read_config
+from moe_offload.model.inventory import from_checkpoint, from_config
 from moe_offload.formats.layouts import map_keys
-from moe_offload.formats.quant import (FP4_VALUES, FP8_MAX, QuantFormat, QuantSpec, QuantTensor, check_fp8, check_headers,
-                               check_mxfp4, dequantize_fp8, dequantize_mxfp4, fp8_scale_shape, quantize_fp8,
-                               quantize_mxfp4, spec_from_config)
-from moe_offload.tiny.make import QUANT_FAMILIES, make_tiny
+from moe_offload.formats.quant import QuantFormat, QuantSpec, QuantTensor, check_headers, spec_from_config
+from moe_offload.formats.quant_codecs import (FP4_VALUES, FP8_MAX, check_fp8, check_mxfp4, dequantize_fp8,
+                                              dequantize_mxfp4, fp8_scale_shape, quantize_fp8, quantize_mxfp4)
+from moe_offload.tiny.families import QUANT_FAMILIES
+from moe_offload.tiny.make import make_tiny
 
 CASES = {"qwen3_moe": "fp8", "deepseek_v3": "fp8", "gpt_oss": "mxfp4"}
 OTHER_FP8 = tuple(f for f in QUANT_FAMILIES["fp8"] if f not in CASES)

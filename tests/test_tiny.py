@@ -12,7 +12,8 @@ import transformers
 from safetensors import safe_open
 
 from moe_offload.prompts import CORPUS, PROMPTS
-from moe_offload.tiny.make import AUTO_CLASSES, FAMILIES, make_tiny
+from moe_offload.tiny.families import AUTO_CLASSES, FAMILIES
+from moe_offload.tiny.make import make_tiny
 from fixtures_cli import unwritable_dir
 
 REQUIRED_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen3_vl_moe")
@@ -212,7 +213,7 @@ def never_built(monkeypatch):
     def built(*args, **kwargs):
         raise AssertionError("make_tiny started building before refusing its target")
 
-    monkeypatch.setattr(tiny, "_build_tokenizer", built)
+    monkeypatch.setattr(tiny, "build_tokenizer", built)
 
 
 @pytest.mark.parametrize("where", ["unwritable", "unwritable-nested", "through-a-file"])

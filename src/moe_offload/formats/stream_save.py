@@ -25,7 +25,7 @@ from typing import Callable, Mapping
 import torch
 import torch.nn as nn
 
-from ..storage.disk import SAFETENSORS_DTYPES
+from .safetensors import SAFETENSORS_DTYPES
 
 __all__ = ["meta_model", "save_streaming", "shard_header", "DEFAULT_MAX_SHARD_SIZE"]
 

@@ -1,7 +1,8 @@
 """The disk tier: weights read straight from the checkpoint's own safetensors files, at their header offsets.
 
 Nothing is copied to another folder. A `SafetensorsReader` opens one file once, keeps its header (every
-tensor's dtype, shape and byte span) and the file's identity (size, mtime, inode), and reads:
+tensor's dtype, shape and byte span: formats/safetensors.py's `TensorSpan`) and the file's identity (size,
+mtime, inode), and reads:
 
 - a whole tensor into a caller's buffer (`read`);
 - several whole tensors (`read_tensors`): the per-expert layout transformers' loaders convert from
@@ -20,8 +21,8 @@ the destination followed by `posix_fadvise(POSIX_FADV_DONTNEED)`; `mechanism` sa
 (bytes the disk delivered, alignment included) and `read_calls` count every read.
 
 A file changed after it was opened (size, mtime or inode differ) or cut short is a `CheckpointError` at the
-read, never garbage. `DensePrefetcher` reads a layer's dense tensors ahead on one worker thread into a
-bounded pool of reusable buffers.
+read, never garbage. `checkpoint_readers` opens one reader per file of a model folder; disk_prefetch.py's
+`DensePrefetcher` reads a layer's dense tensors ahead with them.
 """
 
 from __future__ import annotations
@@ -33,48 +34,20 @@ import mmap
 import os
 import stat
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 from ..errors import CheckpointError
+from ..formats.safetensors import TensorSpan, parse_header
 
-__all__ = ["SAFETENSORS_DTYPES", "DIRECT_ALIGN", "TensorSpan", "SafetensorsReader", "DensePrefetcher",
-           "checkpoint_readers"]
-
-# Safetensors dtype names -> torch dtypes (the ones torch can hold).
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool, "U16": torch.uint16,
-    "U32": torch.uint32, "U64": torch.uint64,
-}
-if hasattr(torch, "float8_e8m0fnu"):
-    SAFETENSORS_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+__all__ = ["DIRECT_ALIGN", "SafetensorsReader", "checkpoint_readers"]
 
 DIRECT_ALIGN = 4096              # O_DIRECT offset, length and buffer alignment (covers 512 and 4K sectors)
 DEFAULT_BOUNCE = 8 << 20         # O_DIRECT bounce buffer: reads larger than this take several calls
-_MAX_HEADER = 100 << 20          # safetensors' own limit on the JSON header
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-_BUFFER_ALIGN = 64               # prefetch pool: each tensor starts on a cache line
-
-
-@dataclass(frozen=True)
-class TensorSpan:
-    """One tensor of a safetensors file: its absolute byte range [start, end)."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
 
 
 @dataclass(frozen=True)
@@ -92,44 +65,6 @@ class _Identity:
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory (no copy)."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
-
-
-def _parse_header(path: Path, fd: int, size: int) -> dict[str, TensorSpan]:
-    def bad(why: str) -> CheckpointError:
-        return CheckpointError(f"{path}: not a readable safetensors file ({why}); the file is corrupt or "
-                               "truncated, copy it again")
-
-    head = os.pread(fd, 8, 0)
-    if len(head) < 8:
-        raise bad(f"{size} bytes, shorter than the 8-byte header length")
-    n = int.from_bytes(head, "little")
-    if n > _MAX_HEADER or 8 + n > size:
-        raise bad(f"header length {n} does not fit the file's {size} bytes")
-    raw = os.pread(fd, n, 8)
-    if len(raw) < n:
-        raise bad(f"header cut short: {len(raw)} of {n} bytes")
-    try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad(f"header is not JSON: {exc}") from exc
-    if not isinstance(header, dict):
-        raise bad("header is not a JSON object")
-    base = 8 + n
-    spans: dict[str, TensorSpan] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = SAFETENSORS_DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise bad(f"entry {name!r} is malformed or has an unknown dtype ({exc!r})") from exc
-        if end - begin != math.prod(shape) * dtype.itemsize or begin < 0 or base + end > size:
-            raise bad(f"{name!r} spans bytes [{begin}, {end}) for shape {list(shape)} {info['dtype']}, which "
-                      f"does not match its size or lies beyond the file's {size} bytes")
-        spans[name] = TensorSpan(name, dtype, shape, base + begin, base + end)
-    return spans
 
 
 class SafetensorsReader:
@@ -157,7 +92,7 @@ class SafetensorsReader:
             if not stat.S_ISREG(st.st_mode):
                 raise CheckpointError(f"{self.path} is not a regular file: the disk tier reads safetensors files")
             self._identity = _Identity.of(st)
-            self.tensors: Mapping[str, TensorSpan] = _parse_header(self.path, self._fd, st.st_size)
+            self.tensors: Mapping[str, TensorSpan] = parse_header(self.path, self._fd, st.st_size)
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the header pages too
             if direct is not False:
                 if bounce_bytes < DIRECT_ALIGN or bounce_bytes % DIRECT_ALIGN:
@@ -428,97 +363,3 @@ def checkpoint_readers(folder: str | os.PathLike, *, direct: bool | None = None,
         raise
     by_key = {key: r for r in readers for key in r.tensors}
     return by_key, readers
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading the next layer's dense tensors ahead
-
-
-class DensePrefetcher:
-    """Reads decoder layers' dense disk-tier tensors one layer ahead, on one worker thread.
-
-    `layers[i]` lists layer i's tensors as (reader, name). The pool is two slots (the layer in use, the layer
-    being read), each sized for the largest layer with every tensor 64-byte aligned: `pool_bytes` is exact and
-    allocated once (by `allocate(nbytes)`, default plain host memory; pass a pinned allocator on an
-    accelerator). `get(i)` returns layer i's tensors (name -> tensor viewing the pool), valid until the next
-    `get`, and starts reading layer i + 1 (wrapping to 0 after the last layer: the next token's first layer).
-    A worker's exception is raised by the `get` that needs its result. `close()` waits for the worker.
-    """
-
-    def __init__(self, layers: Sequence[Sequence[tuple[SafetensorsReader, str]]], *,
-                 allocate: Callable[[int], torch.Tensor] | None = None):
-        self._layers = [list(group) for group in layers]
-        if not self._layers:
-            raise ValueError("DensePrefetcher needs at least one layer")
-        self._offsets: list[dict[str, int]] = []
-        slot = 0
-        for group in self._layers:
-            offsets, cursor = {}, 0
-            for reader, name in group:
-                cursor = -(-cursor // _BUFFER_ALIGN) * _BUFFER_ALIGN
-                offsets[name] = cursor
-                cursor += reader.span(name).nbytes
-            self._offsets.append(offsets)
-            slot = max(slot, cursor)
-        self.slot_bytes = slot
-        make = allocate or (lambda n: torch.empty(n, dtype=torch.uint8))
-        self._slots = [make(slot) for _ in range(2)]
-        for buf in self._slots:
-            if buf.dtype != torch.uint8 or buf.numel() != slot or not buf.is_contiguous():
-                raise ValueError(f"allocate({slot}) must return a contiguous uint8 tensor of {slot} elements")
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-offload-disk")
-        self._pending: tuple[int, int, Future] | None = None    # (layer, slot, read)
-        self._current = 1                                        # slot handed out last
-        self._closed = False
-        self.layers_read = 0
-
-    @property
-    def pool_bytes(self) -> int:
-        return sum(b.numel() for b in self._slots)
-
-    def _views(self, layer: int, slot: int) -> dict[str, torch.Tensor]:
-        buf = self._slots[slot]
-        out = {}
-        for reader, name in self._layers[layer]:
-            span = reader.span(name)
-            off = self._offsets[layer][name]
-            out[name] = buf[off:off + span.nbytes].view(span.dtype).view(span.shape)
-        return out
-
-    def _read(self, layer: int, slot: int) -> None:
-        for (reader, name), view in zip(self._layers[layer], self._views(layer, slot).values()):
-            reader.read(name, out=view)
-        self.layers_read += 1
-
-    def get(self, layer: int) -> dict[str, torch.Tensor]:
-        if self._closed:
-            raise RuntimeError("DensePrefetcher is closed")
-        if not 0 <= layer < len(self._layers):
-            raise IndexError(f"layer {layer} of {len(self._layers)}")
-        pending, self._pending = self._pending, None
-        slot = None
-        if pending is not None:
-            got, got_slot, fut = pending
-            fut.result()            # re-raises the worker's exception here, in the caller
-            if got == layer:
-                slot = got_slot
-        if slot is None:            # not read ahead (first call, or out of order): read it now, on the worker
-            slot = self._current
-            self._pool.submit(self._read, layer, slot).result()
-        self._current = slot
-        nxt, other = (layer + 1) % len(self._layers), 1 - slot
-        self._pending = (nxt, other, self._pool.submit(self._read, nxt, other))
-        return self._views(layer, slot)
-
-    def close(self) -> None:
-        """Stop: wait for the read in flight (its error, if any, is dropped: nothing will use it)."""
-        if not self._closed:
-            self._closed = True
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pending = None
-
-    def __enter__(self) -> "DensePrefetcher":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

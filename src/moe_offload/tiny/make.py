@@ -9,23 +9,26 @@ writes it as an ordinary Hugging Face model folder:
   ``max_shard_size``), in the layout the model's own ``save_pretrained`` writes, so the tensor
   names, shapes, dtypes and per-expert/fused layout on disk are exactly what transformers writes
   for that architecture. It is streamed tensor by tensor from a meta-device model
-  (:mod:`moe_offload.stream_save`), so peak memory is a few times the largest tensor, not the
-  model. Per-expert tensors (``...experts.3.down_proj.weight``) for the
+  (:mod:`moe_offload.formats.stream_save`), so peak memory is a few times the largest tensor,
+  not the model. Per-expert tensors (``...experts.3.down_proj.weight``) for the
   Qwen/Mixtral/DeepSeek/OLMoE/PhiMoE/GLM/Jamba families, fused ``[E, ...]`` tensors for
   gpt-oss, GraniteMoE and Qwen3-VL-MoE. (For Qwen3-VL-MoE transformers writes its
   in-memory orientation, ``gate_up_proj`` ``[E, 2*I, H]``; released checkpoints store
   ``[E, H, 2*I]``, and transformers' loader accepts both.) In half precision, tensors that
   transformers keeps in float32 (``_keep_in_fp32_modules``, e.g. DeepSeek/GLM router
   weights, gpt-oss norms in float16) stay float32 on disk too;
-* a byte-level BPE tokenizer trained on :data:`moe_offload.prompts.CORPUS`
-  (``tokenizer.json`` + ``tokenizer_config.json``);
+* a byte-level BPE tokenizer trained on :data:`moe_offload.prompts.CORPUS` (tokenizer.py;
+  ``tokenizer.json`` + ``tokenizer_config.json``);
 * ``moe_offload_tiny.json`` recording the arguments it was made with.
 
 The folder loads offline with ``AutoTokenizer.from_pretrained(dir)`` and the Auto class
-named in :data:`AUTO_CLASSES` (``AutoModelForCausalLM`` for every family except
-``qwen3_vl_moe``, which transformers only registers as an image-text-to-text model).
+named in :data:`moe_offload.tiny.families.AUTO_CLASSES` (``AutoModelForCausalLM`` for every
+family except ``qwen3_vl_moe``, which transformers only registers as an image-text-to-text model).
 Nothing is downloaded. The same arguments always give byte-identical weights. A progress bar
 (bytes written) shows on a terminal.
+
+Here: the argument and target checks, and the writing. Each family's config fields are families.py's,
+the quantized rewrite (``quant=``) quantize.py's.
 """
 
 from __future__ import annotations
@@ -36,312 +39,16 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-__all__ = ["FAMILIES", "AUTO_CLASSES", "DTYPES", "QUANT_FAMILIES", "make_tiny"]
+from .families import (AUTO_CLASSES, EXACT_TOP_K, FAMILIES, HEADS, MAX_POSITIONS, MIN_EXPERTS, QUANT_FAMILIES,
+                       family_config, quant_skips)
+from .tokenizer import BYTE_ALPHABET, SPECIAL_TOKENS, VISION_TOKENS, build_tokenizer
 
-# Attention heads in every tiny model. Four heads with two KV heads exercises grouped-query
-# attention while keeping the per-head size reasonable at hidden=64.
-_HEADS = 4
-_KV_HEADS = 2
-# Short context: the tiny models only ever see prompts of a few dozen tokens, and the
-# rotary/position tables then stay negligible next to the expert weights.
-_MAX_POSITIONS = 512
-
-# Special tokens of the tiny tokenizer. Llama order (<unk>, <s>, </s>) plus a pad token.
-_UNK, _BOS, _EOS, _PAD = "<unk>", "<s>", "</s>", "<pad>"
-_SPECIAL_TOKENS = (_UNK, _BOS, _EOS, _PAD)
-# Qwen3-VL looks these ids up in input_ids; give them real tokens inside the tiny vocab
-# instead of Qwen's 151k-range ids, which would be out of range for a 512-token embedding.
-_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-_BYTE_ALPHABET = 256  # a byte-level BPE always keeps all 256 byte symbols
+__all__ = ["DTYPES", "make_tiny"]
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-
-
-def _common(p: dict[str, Any]) -> dict[str, Any]:
-    """Config fields every family shares (all of them accept these names)."""
-    return dict(
-        vocab_size=p["vocab_size"],
-        hidden_size=p["hidden"],
-        num_hidden_layers=p["layers"],
-        num_attention_heads=_HEADS,
-        num_key_value_heads=_KV_HEADS,
-        max_position_embeddings=_MAX_POSITIONS,
-        initializer_range=p["init_std"],
-        tie_word_embeddings=False,
-        bos_token_id=p["bos"],
-        eos_token_id=p["eos"],
-        pad_token_id=p["pad"],
-    )
-
-
-# --- one config builder per family -------------------------------------------------------
-# Each maps the generic (experts, top_k, hidden) onto the family's own field names. Expert
-# FFNs are 1.5*hidden wide and dense FFNs 2*hidden, so routed experts hold most of the
-# parameters, as in real MoE checkpoints, and no expert matrix is square: a transposed
-# expert weight then always shows up as a shape mismatch instead of silently loading.
-
-
-def _qwen3_moe(p: dict[str, Any]) -> dict[str, Any]:
-    return dict(
-        _common(p),
-        head_dim=p["head_dim"],
-        intermediate_size=p["dense_ffn"],
-        moe_intermediate_size=p["expert_ffn"],
-        num_experts=p["experts"],
-        num_experts_per_tok=p["top_k"],
-        norm_topk_prob=True,  # as in the released Qwen3 MoE checkpoints
-    )
-
-
-def _qwen2_moe(p: dict[str, Any]) -> dict[str, Any]:
-    return dict(
-        _common(p),
-        intermediate_size=p["dense_ffn"],
-        moe_intermediate_size=p["expert_ffn"],
-        # Qwen2-MoE always has exactly one (gated) shared expert; keep it so planners see
-        # the shared_expert role.
-        shared_expert_intermediate_size=p["dense_ffn"],
-        num_experts=p["experts"],
-        num_experts_per_tok=p["top_k"],
-    )
-
-
-def _mixtral(p: dict[str, Any]) -> dict[str, Any]:
-    # Mixtral has no dense FFN: intermediate_size is each expert's width.
-    return dict(
-        _common(p),
-        head_dim=p["head_dim"],
-        intermediate_size=p["expert_ffn"],
-        num_local_experts=p["experts"],
-        num_experts_per_tok=p["top_k"],
-    )
-
-
-def _deepseek_mla(p: dict[str, Any]) -> dict[str, Any]:
-    """Multi-head latent attention sizes shared by DeepSeek-V2 and -V3."""
-    hd = p["head_dim"]
-    return dict(
-        num_key_value_heads=_HEADS,  # MLA has no grouped KV heads
-        kv_lora_rank=p["hidden"] // 2,
-        qk_nope_head_dim=hd,
-        qk_rope_head_dim=hd // 2,
-        v_head_dim=hd,
-        intermediate_size=p["dense_ffn"],
-        moe_intermediate_size=p["expert_ffn"],
-        n_routed_experts=p["experts"],
-        num_experts_per_tok=p["top_k"],
-        n_shared_experts=1,
-        # One leading dense layer, like the real models, whenever there is room for an
-        # MoE layer after it.
-        first_k_dense_replace=1 if p["layers"] >= 2 else 0,
-    )
-
-
-def _deepseek_v3(p: dict[str, Any]) -> dict[str, Any]:
-    return dict(
-        _common(p),
-        **_deepseek_mla(p),
-        q_lora_rank=p["hidden"] // 2,
-        # Group-limited routing with one group: valid for any expert count, still runs
-        # the group-selection code path.
-        n_group=1,
-        topk_group=1,
-    )
-
-
-def _deepseek_v2(p: dict[str, Any]) -> dict[str, Any]:
-    # DeepSeek-V2-Lite style: no query compression, plain greedy top-k routing.
-    return dict(_common(p), **_deepseek_mla(p), q_lora_rank=None, topk_method="greedy")
-
-
-def _gpt_oss(p: dict[str, Any]) -> dict[str, Any]:
-    return dict(
-        _common(p),
-        head_dim=p["head_dim"],
-        intermediate_size=p["expert_ffn"],  # gpt-oss has only expert FFNs
-        num_local_experts=p["experts"],
-        num_experts_per_tok=p["top_k"],
-        # Shorter than the prompts used in tests, so the sliding layers really slide.
-        sliding_window=16,
-        # Keep gpt-oss's YaRN rope, rescaled to the tiny context.
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 150000.0,
-            "factor": 4.0,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "truncate": False,
-            "original_max_position_embeddings": _MAX_POSITIONS // 4,
-        },
-    )
-
-
-def _qwen3_vl_moe(p: dict[str, Any]) -> dict[str, Any]:
-    half = p["head_dim"] // 2
-    # Interleaved M-RoPE splits the rotary half-dimension over (time, height, width);
-    # the sections must add up to head_dim // 2 (Qwen uses 24/20/20 of 64).
-    mrope = [half - 2 * (half // 4), half // 4, half // 4]
-    text = dict(_qwen3_moe(p), model_type="qwen3_vl_moe_text")
-    text.pop("norm_topk_prob")  # the VL text config has no such field (always normalised)
-    text["rope_parameters"] = {
-        "rope_type": "default",
-        "rope_theta": 5000000.0,
-        "mrope_section": mrope,
-        "mrope_interleaved": True,
-    }
-    vision_hidden = max(16, p["hidden"] // 2)
-    vision = dict(
-        model_type="qwen3_vl_moe_vision",
-        depth=2,
-        hidden_size=vision_hidden,
-        intermediate_size=2 * vision_hidden,
-        num_heads=2,
-        patch_size=16,
-        temporal_patch_size=2,
-        spatial_merge_size=2,
-        out_hidden_size=p["hidden"],
-        num_position_embeddings=64,  # must be a square (an 8x8 grid of learned positions)
-        deepstack_visual_indexes=[0],
-        initializer_range=p["init_std"],
-    )
-    vt = p["vision_token_ids"]
-    return dict(
-        text_config=text,
-        vision_config=vision,
-        vision_start_token_id=vt["<|vision_start|>"],
-        vision_end_token_id=vt["<|vision_end|>"],
-        image_token_id=vt["<|image_pad|>"],
-        video_token_id=vt["<|video_pad|>"],
-        tie_word_embeddings=False,
-        bos_token_id=p["bos"],
-        eos_token_id=p["eos"],
-        pad_token_id=p["pad"],
-    )
-
-
-def _olmoe(p: dict[str, Any]) -> dict[str, Any]:
-    return dict(
-        _common(p),
-        intermediate_size=p["expert_ffn"],  # OLMoE: expert width, no dense FFN
-        num_experts=p["experts"],
-        num_experts_per_tok=p["top_k"],
-    )
-
-
-def _phimoe(p: dict[str, Any]) -> dict[str, Any]:
-    return dict(
-        _common(p),
-        intermediate_size=p["expert_ffn"],
-        num_local_experts=p["experts"],
-        num_experts_per_tok=p["top_k"],
-    )
-
-
-def _granitemoe(p: dict[str, Any]) -> dict[str, Any]:
-    return dict(
-        _common(p),
-        intermediate_size=p["expert_ffn"],
-        num_local_experts=p["experts"],
-        num_experts_per_tok=p["top_k"],
-    )
-
-
-def _glm4_moe(p: dict[str, Any]) -> dict[str, Any]:
-    return dict(
-        _common(p),
-        head_dim=p["head_dim"],
-        intermediate_size=p["dense_ffn"],
-        moe_intermediate_size=p["expert_ffn"],
-        n_routed_experts=p["experts"],
-        num_experts_per_tok=p["top_k"],
-        n_shared_experts=1,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1 if p["layers"] >= 2 else 0,
-    )
-
-
-def _qwen3_next(p: dict[str, Any]) -> dict[str, Any]:
-    layers = p["layers"]
-    return dict(
-        _common(p),
-        head_dim=p["head_dim"],
-        intermediate_size=p["dense_ffn"],
-        moe_intermediate_size=p["expert_ffn"],
-        shared_expert_intermediate_size=p["expert_ffn"],
-        num_experts=p["experts"],
-        num_experts_per_tok=p["top_k"],
-        # Alternate linear (gated delta-net) and full attention so that even a 2-layer
-        # model has both kinds; the real model uses one full layer in four. A 1-layer model
-        # gets a full-attention layer: transformers' hybrid cache cannot generate without one.
-        layer_types=(
-            ["full_attention"]
-            if layers == 1
-            else ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-        ),
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=p["head_dim"],
-        linear_value_head_dim=p["head_dim"],
-    )
-
-
-def _jamba(p: dict[str, Any]) -> dict[str, Any]:
-    layers = p["layers"]
-    return dict(
-        _common(p),
-        intermediate_size=p["expert_ffn"],
-        num_experts=p["experts"],
-        num_experts_per_tok=p["top_k"],
-        # Real Jamba: attention in 1 layer of 8, MoE every 2nd layer. Shrink the periods so
-        # a 2-layer model has one attention + one Mamba layer, and at least one MoE layer.
-        attn_layer_period=2 if layers >= 2 else 1,
-        attn_layer_offset=0,
-        expert_layer_period=2 if layers >= 2 else 1,
-        expert_layer_offset=1 if layers >= 2 else 0,
-        mamba_d_state=8,
-    )
-
-
-_BUILDERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "qwen3_moe": _qwen3_moe,
-    "qwen2_moe": _qwen2_moe,
-    "mixtral": _mixtral,
-    "deepseek_v3": _deepseek_v3,
-    "gpt_oss": _gpt_oss,
-    "qwen3_vl_moe": _qwen3_vl_moe,
-    "olmoe": _olmoe,
-    "phimoe": _phimoe,
-    "granitemoe": _granitemoe,
-    "deepseek_v2": _deepseek_v2,
-    "glm4_moe": _glm4_moe,
-    "qwen3_next": _qwen3_next,
-    "jamba": _jamba,
-}
-
-FAMILIES: tuple[str, ...] = tuple(_BUILDERS)
-
-# The transformers Auto class that loads each family for text generation. transformers 5.x
-# registers Qwen3-VL-MoE only under image-text-to-text (Qwen3VLMoeForConditionalGeneration),
-# not under AutoModelForCausalLM; it still generates from text-only input.
-AUTO_CLASSES: dict[str, str] = {
-    f: ("AutoModelForImageTextToText" if f == "qwen3_vl_moe" else "AutoModelForCausalLM")
-    for f in FAMILIES
-}
-
-# Families whose router needs more than the generic 1 <= top_k <= experts.
-_MIN_EXPERTS = {
-    # Group-limited routing scores each group by its top-2 experts (torch.topk(2)).
-    "deepseek_v3": 2,
-    "glm4_moe": 2,
-}
-_EXACT_TOP_K = {
-    # PhiMoE's sparsemixer router is hard-wired to pick exactly two experts.
-    "phimoe": 2,
-}
 
 
 def _fail(what: str, why: str, fix: str) -> ValueError:
@@ -363,7 +70,7 @@ def _check_args(
     family: str, layers: int, experts: int, top_k: int, hidden: int, vocab_size: int, n_special: int
 ) -> None:
     """Reject bad arguments before anything is built or written."""
-    if family not in _BUILDERS:
+    if family not in FAMILIES:
         raise ValueError(
             f"unknown model family {family!r}: make_tiny only knows how to build "
             f"{', '.join(FAMILIES)}. Fix: pass one of these as family."
@@ -381,42 +88,33 @@ def _check_args(
             "each token is routed to top_k distinct experts, so 1 <= top_k <= experts",
             f"pass a top_k between 1 and {experts}, or more experts",
         )
-    min_e = _MIN_EXPERTS.get(family, 1)
+    min_e = MIN_EXPERTS.get(family, 1)
     if experts < min_e:
         raise _fail(
             f"experts={experts} is too few for {family}",
             f"its group-limited router ranks each expert group by its best {min_e} experts",
             f"pass experts >= {min_e}",
         )
-    exact_k = _EXACT_TOP_K.get(family)
+    exact_k = EXACT_TOP_K.get(family)
     if exact_k is not None and top_k != exact_k:
         raise _fail(
             f"top_k={top_k} is not supported for {family}",
             f"its sparsemixer router always selects exactly {exact_k} experts",
             f"pass top_k={exact_k}",
         )
-    if hidden < 16 or hidden % (_HEADS * 4) != 0:
+    if hidden < 16 or hidden % (HEADS * 4) != 0:
         raise _fail(
             f"hidden={hidden} is invalid",
-            f"it must split into {_HEADS} attention heads whose size is divisible by 4 "
+            f"it must split into {HEADS} attention heads whose size is divisible by 4 "
             "(rotary embeddings rotate pairs, and partial/decoupled rotary uses half a head)",
-            f"pass a multiple of {_HEADS * 4}, e.g. 64",
+            f"pass a multiple of {HEADS * 4}, e.g. 64",
         )
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < _BYTE_ALPHABET + n_special:
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < BYTE_ALPHABET + n_special:
         raise _fail(
             f"vocab_size={vocab_size!r} is too small",
-            f"a byte-level tokenizer needs all {_BYTE_ALPHABET} byte tokens plus {n_special} special tokens",
-            f"pass vocab_size >= {_BYTE_ALPHABET + n_special}",
+            f"a byte-level tokenizer needs all {BYTE_ALPHABET} byte tokens plus {n_special} special tokens",
+            f"pass vocab_size >= {BYTE_ALPHABET + n_special}",
         )
-
-
-# Families whose tiny checkpoints can be written quantized: those transformers itself loads in that
-# format (gpt-oss is the only MXFP4 family; FP8 needs per-expert matrices on disk, which its
-# dequantizing loader reads).
-QUANT_FAMILIES: dict[str, tuple[str, ...]] = {
-    "fp8": ("qwen3_moe", "deepseek_v3", "qwen2_moe", "mixtral", "olmoe", "glm4_moe"),
-    "mxfp4": ("gpt_oss",),
-}
 
 
 def _check_quant(quant: str | None, family: str, hidden: int) -> None:
@@ -433,17 +131,6 @@ def _check_quant(quant: str | None, family: str, hidden: int) -> None:
         raise _fail(f"hidden={hidden} is invalid for mxfp4",
                     "MXFP4 groups 32 values along each input dimension: the hidden size and the experts' "
                     "width (1.5 x hidden) must both be multiples of 32", "pass a multiple of 64, e.g. 64")
-
-
-def _quant_skips(family: str, layers: int, quant: str) -> list[str] | None:
-    """`modules_to_not_convert` in the style each family's released quantized config uses."""
-    if quant == "mxfp4":  # gpt-oss: only the experts are MXFP4
-        return ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
-    if family == "deepseek_v3":
-        return None  # DeepSeek-V3 ships no list: transformers' default keeps the LM head unquantized
-    # In the style of Qwen3-FP8: the LM head, plus every layer's norms and router gate by name.
-    per_layer = ("input_layernorm", "mlp.gate", "post_attention_layernorm")
-    return ["lm_head", *(f"model.layers.{i}.{m}" for i in range(layers) for m in per_layer), "model.norm"]
 
 
 def _check_target(out: Path) -> None:
@@ -480,51 +167,6 @@ def _check_target(out: Path) -> None:
     os.rmdir(probe)
 
 
-def _build_tokenizer(vocab_size: int, specials: tuple[str, ...], max_len: int):
-    """Train a byte-level BPE on the built-in corpus with exactly ``vocab_size`` tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from ..prompts import CORPUS, PROMPTS
-
-    tok = Tokenizer(models.BPE(unk_token=_UNK))
-    # GPT-2 style byte-level pipeline: any UTF-8 text encodes without <unk>, and decoding
-    # gives back the exact input.
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(specials),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    texts = [para for para in CORPUS.split("\n\n") if para.strip()] + list(PROMPTS)
-    tok.train_from_iterator(texts, trainer=trainer)
-    # A few KB of text only supports so many merges; top a large vocab up with reserved
-    # special tokens (as Llama 3 and Qwen do) so the size is exactly what was asked for.
-    missing = vocab_size - tok.get_vocab_size(with_added_tokens=True)
-    if missing > 0:
-        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(missing)])
-    bos_id = tok.token_to_id(_BOS)
-    # Prepend <s> like Llama/Mixtral tokenizers, so a prompt never starts the model cold.
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{_BOS} $A",
-        pair=f"{_BOS} $A {_BOS} $B",
-        special_tokens=[(_BOS, bos_id)],
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=_BOS,
-        eos_token=_EOS,
-        pad_token=_PAD,
-        unk_token=_UNK,
-        model_max_length=max_len,
-    )
-    if len(fast) != vocab_size:  # pragma: no cover - guards against a tokenizers change
-        raise RuntimeError(f"tiny tokenizer has {len(fast)} tokens, expected {vocab_size}")
-    return fast
-
-
 def make_tiny(
     out_dir: str | os.PathLike[str],
     *,
@@ -549,8 +191,9 @@ def make_tiny(
     exactly ``vocab_size`` tokens (at least 260; 264 for qwen3_vl_moe, whose vision
     placeholders are special tokens). Returns the folder's absolute path.
 
-    ``quant`` ("fp8" or "mxfp4", see :data:`QUANT_FAMILIES`) then rewrites the weights in the
-    on-disk format the released models use (:func:`moe_offload.quant.quantize_checkpoint`):
+    ``quant`` ("fp8" or "mxfp4", see :data:`moe_offload.tiny.families.QUANT_FAMILIES`) then rewrites the
+    weights in the on-disk format the released models use
+    (:func:`moe_offload.tiny.quantize.quantize_checkpoint`):
     FP8 e4m3 Linear and expert weights with ``weight_scale_inv`` block scales (DeepSeek-V3,
     Qwen3-FP8; the block is the largest power of two up to 128x128 that tiles the tiny
     matrices exactly), or gpt-oss MXFP4 experts (``*_blocks`` / ``*_scales``); the other
@@ -566,7 +209,7 @@ def make_tiny(
     """
     # Released quantized checkpoints keep their unquantized tensors in bfloat16.
     dtype = _canonical_dtype(dtype if dtype is not None else ("bfloat16" if quant else "float32"))
-    specials = _SPECIAL_TOKENS + (_VISION_TOKENS if family == "qwen3_vl_moe" else ())
+    specials = SPECIAL_TOKENS + (VISION_TOKENS if family == "qwen3_vl_moe" else ())
     _check_args(family, layers, experts, top_k, hidden, vocab_size, len(specials))
     _check_quant(quant, family, hidden)
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -579,11 +222,11 @@ def make_tiny(
     import transformers
     from transformers import AutoConfig, GenerationConfig
 
-    tokenizer = _build_tokenizer(vocab_size, specials, _MAX_POSITIONS)
+    tokenizer = build_tokenizer(vocab_size, specials, MAX_POSITIONS)
     params: dict[str, Any] = dict(
         vocab_size=len(tokenizer),
         hidden=hidden,
-        head_dim=hidden // _HEADS,
+        head_dim=hidden // HEADS,
         expert_ffn=3 * hidden // 2,
         dense_ffn=2 * hidden,
         layers=layers,
@@ -596,9 +239,9 @@ def make_tiny(
         bos=tokenizer.bos_token_id,
         eos=tokenizer.eos_token_id,
         pad=tokenizer.pad_token_id,
-        vision_token_ids={t: tokenizer.convert_tokens_to_ids(t) for t in _VISION_TOKENS},
+        vision_token_ids={t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS},
     )
-    config = AutoConfig.for_model(family, **_BUILDERS[family](params))
+    config = AutoConfig.for_model(family, **family_config(family, params))
     auto_cls = getattr(transformers, AUTO_CLASSES[family])
 
     from ..formats.stream_save import meta_model
@@ -621,9 +264,10 @@ def make_tiny(
         _write_weights(model, tmp, seed=seed, max_shard_size=max_shard_size,
                        progress=_stderr_is_terminal() if progress is None else progress)
         if quant is not None:
-            from ..formats.quant import QuantFormat, quantize_checkpoint
+            from ..formats.quant import QuantFormat
+            from .quantize import quantize_checkpoint
 
-            skips = _quant_skips(family, layers, quant)
+            skips = quant_skips(family, layers, quant)
             quantize_checkpoint(tmp, model, QuantFormat(quant), modules_to_not_convert=skips)
         tokenizer.save_pretrained(tmp)
         record = {
