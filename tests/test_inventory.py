@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 import moe_offload as mo
 from moe_offload.errors import CheckpointError, ConfigError
-from moe_offload.model.inventory import build_meta_model, from_config, inventory, layer_of, read_config
+from moe_offload.model.config import build_meta_model, read_config
+from moe_offload.model.inventory import from_config, inventory, layer_of
 from moe_offload.formats.layouts import map_keys
 from moe_offload.model.published import DEEPSEEK_V3, GPT_OSS_120B, MIXTRAL_8X7B, QWEN3_30B_A3B
 from moe_offload.model.roles import Role, assign

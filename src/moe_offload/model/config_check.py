@@ -90,7 +90,7 @@ def _routing_topk_fields(present, has_experts: bool) -> tuple[str, ...]:
     """The top-k fields of a section that are the router's.
 
     `top_k` is also a sampling option that old config.json files carry (50, or 0 for "off"): it is the
-    router's top-k only in an MoE config where no other top-k field exists, as inventory.routing_of reads it.
+    router's top-k only in an MoE config where no other top-k field exists, as config.routing_of reads it.
     """
     named = tuple(f for f in TOPK_FIELDS[:-1] if f in present)
     return named or (("top_k",) if "top_k" in present and has_experts else ())

@@ -8,12 +8,12 @@ No tensor data is read or allocated. Three sources:
   the files' headers give the real dtypes and bytes (checkpoint names are mapped to
   in-memory names by `layouts`);
 - a live `nn.Module`, meta or real.
+
+Reading the config and building the meta model is config.py; the safetensors headers, checkpoint.py.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +21,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .config_check import EXPERT_FIELDS, TOPK_FIELDS, check_built, check_config, check_raw
+from .checkpoint import QUANT_SUFFIXES, ST_DTYPES, expected_slot_shape, read_headers, safetensors_files, slot_shape
+from .config import (DTYPE_NAMES, assumed_dtype_note, build_meta_model, quant_rule, read_config, routing_of,
+                     storage_dtype)
+from .config_check import EXPERT_FIELDS, TOPK_FIELDS
 from ..errors import CheckpointError, ConfigError
 
 # Segments that hold numbered layers, and segments that mark a non-language tower.
@@ -31,17 +34,6 @@ _TOWERS = {
                "multi_modal_projector", "mm_projector", "vision_projector"},
     "audio": {"audio_tower", "audio_model", "audio_encoder", "audio"},
 }
-# Config fields that name the routed-expert count and top-k, across families (config_check owns the list).
-_EXPERT_FIELDS = EXPERT_FIELDS
-_TOPK_FIELDS = TOPK_FIELDS
-DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
-               "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
-# Bytes per element of the dtypes a safetensors header can name.
-_ST_DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
-              "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1), "I64": ("int64", 8),
-              "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1), "BOOL": ("bool", 1)}
-# Checkpoint suffixes of quantized storage that belong to another tensor.
-_QUANT_SUFFIXES = ("_blocks", "_scales", ".weight_scale_inv", "_scale_inv", ".weight_scale")
 
 
 @dataclass(frozen=True)
@@ -96,210 +88,13 @@ def component_of(name: str) -> str:
     return "language"
 
 
-def _text_config(config):
-    for attr in ("text_config", "language_config", "llm_config"):
-        sub = getattr(config, attr, None)
-        if sub is not None:
-            return sub
-    return config
-
-
-def routing_of(config) -> tuple[int | None, int | None]:
-    """(routed experts per layer, top-k) from a config, or (None, None) for a dense model."""
-    text = _text_config(config)
-    experts = next((getattr(text, f) for f in _EXPERT_FIELDS if isinstance(getattr(text, f, None), int)), None)
-    top_k = next((getattr(text, f) for f in _TOPK_FIELDS if isinstance(getattr(text, f, None), int)), None)
-    if not experts or not top_k:
-        return None, None
-    return experts, top_k
-
-
-# ---------------------------------------------------------------------------------------
-# Building the meta model
-
-
-def read_config(source) -> "object":
-    """A transformers config from a folder or a config.json path. Never touches a hub.
-
-    The fields that size the model are checked before transformers sees them, and again once it has
-    filled in its defaults (config_check): a malformed config is a ConfigError before anything is built.
-    """
-    path = Path(source)
-    cfg_path = path / "config.json" if path.is_dir() else path
-    if not cfg_path.is_file():
-        raise ConfigError(f"no config.json at {cfg_path}: give a model folder holding config.json, or the file's path")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{cfg_path} is not valid JSON ({exc}); fix or re-download the file") from exc
-    if not isinstance(raw, dict) or "model_type" not in raw:
-        raise ConfigError(f"{cfg_path} has no 'model_type'; it is not a Hugging Face model config")
-    check_raw(raw, cfg_path)
-    from transformers import AutoConfig, CONFIG_MAPPING
-
-    model_type = raw["model_type"]
-    try:
-        if model_type in CONFIG_MAPPING:
-            config = AutoConfig.from_pretrained(str(cfg_path.parent), local_files_only=True)
-        else:
-            # Configs such as Kimi-K2's name a custom model_type but an architecture transformers has.
-            config = _config_from_architecture(raw, cfg_path)
-    except ConfigError:
-        raise
-    except Exception as exc:  # transformers raises many types for malformed configs
-        raise ConfigError(f"{cfg_path}: transformers cannot read this config ({type(exc).__name__}: {exc})") from exc
-    check_config(config, cfg_path, raw)
-    return config
-
-
-def _config_from_architecture(raw: dict, cfg_path: Path):
-    import transformers
-
-    for arch in raw.get("architectures") or []:
-        cls = getattr(transformers, arch, None)
-        if cls is not None and getattr(cls, "config_class", None) is not None:
-            fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map", "architectures")}
-            config = cls.config_class(**fields)
-            config.architectures = [arch]
-            config.name_or_path = str(cfg_path.parent)  # what from_pretrained records: errors name the folder
-            config._moe_offload_note = (
-                f"model_type {raw['model_type']!r} is not a transformers family; built as {arch} "
-                "(the architecture its config names), without the checkpoint's custom code"
-            )
-            return config
-    raise ConfigError(
-        f"{cfg_path}: unknown model_type {raw['model_type']!r} and no architecture transformers knows "
-        f"(architectures={raw.get('architectures')}); moe-offload runs families transformers implements"
-    )
-
-
-def _config_dtype(config) -> torch.dtype | None:
-    for cfg in (config, _text_config(config)):
-        value = getattr(cfg, "dtype", None)  # transformers 5 maps the deprecated torch_dtype here
-        if isinstance(value, torch.dtype):
-            return value
-        if isinstance(value, str) and hasattr(torch, value):
-            return getattr(torch, value)
-    return None
-
-
-def _quantization_method(config) -> str | None:
-    qc = getattr(config, "quantization_config", None) or getattr(_text_config(config), "quantization_config", None)
-    if qc is None:
-        return None
-    qc = qc if isinstance(qc, dict) else qc.to_dict()
-    return str(qc.get("quant_method", "quantized"))
-
-
-def _storage_dtype(config, dtype: str | None) -> torch.dtype:
-    if dtype is not None:
-        if dtype not in DTYPE_NAMES:
-            raise ConfigError(f"unknown dtype {dtype!r}: use bf16, fp16 or fp32")
-        return getattr(torch, DTYPE_NAMES[dtype])
-    found = _config_dtype(config)
-    if found is not None:
-        return found
-    # Quantized releases (gpt-oss MXFP4, DeepSeek/Qwen FP8 blocks) store every tensor they do not quantize in
-    # bf16; their config.json may name no dtype (the note of _assumed_dtype_note says so in the plan).
-    return torch.bfloat16 if _quantization_method(config) is not None else torch.float32
-
-
-def _assumed_dtype_note(config, dtype: str | None) -> str | None:
-    method = _quantization_method(config)
-    if dtype is not None or method is None or _config_dtype(config) is not None:
-        return None
-    return (f"config.json names no dtype (torch_dtype/dtype); its quantization_config ({method}) marks a quantized "
-            "release, which stores its unquantized tensors in bfloat16: planned them as bfloat16 (--dtype / "
-            "dtype= plans another)")
-
-
-def build_meta_model(config, dtype: torch.dtype | None = None, *, device: str = "meta") -> nn.Module:
-    """The model as transformers builds it, on the meta device (no memory for weights).
-
-    `device="cpu"` builds under the caller's own context instead (the loader puts only the
-    parameters on meta and keeps real buffers).
-    """
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    dtype = dtype or _storage_dtype(config, None)
-    classes = (AutoModelForImageTextToText, AutoModelForCausalLM) if hasattr(config, "vision_config") else (
-        AutoModelForCausalLM, AutoModelForImageTextToText)
-    errors = []
-    with torch.device(device):
-        for auto in classes:
-            try:
-                model = auto.from_config(config, dtype=dtype)
-            except ValueError as exc:
-                if "Unrecognized configuration class" not in str(exc):
-                    raise _build_error(config, exc) from exc
-                errors.append(str(exc).splitlines()[0])  # no model of this auto class: try the next one
-            except Exception as exc:  # a config the checks let through that the model class still refuses
-                raise _build_error(config, exc) from exc
-            else:
-                check_built(model, _source(config))
-                return model
-    raise ConfigError(f"transformers has no causal-LM or image-text-to-text model for {config.model_type!r}: {errors[0]}")
-
-
-def _source(config) -> str:
-    """The model folder a config was read from (read_config records it), for error messages."""
-    return getattr(config, "name_or_path", "") or f"the {config.model_type} config"
-
-
-def _build_error(config, exc: Exception) -> ConfigError:
-    first = " ".join(str(exc).split())[:300]
-    return ConfigError(f"{_source(config)}: transformers cannot build a {config.model_type} model from this config "
-                       f"({type(exc).__name__}: {first}); a field that sizes the model is wrong: fix config.json")
-
-
 # ---------------------------------------------------------------------------------------
 # Records from a module
 
 
-def _quant_rule(config):
-    """A function (name, module_class, numel, shape, dtype) -> (dtype name, bytes) for the config's quantization."""
-    from ..formats.quant import QuantFormat, spec_from_config
-
-    # The loader's own reading of quantization_config: a method or block size it cannot size is an error here
-    # too, not a plan at another precision (or a division by a zero block).
-    spec = spec_from_config(config)
-    if spec is None:
-        return None
-    # Without a list, transformers keeps the output embedding unquantized (quantizers.base.get_keys_to_not_convert):
-    # DeepSeek-V3's fp8 checkpoint stores lm_head in bf16. A given list replaces that default.
-    skip = spec.modules_to_not_convert if spec.modules_to_not_convert is not None else ("lm_head",)
-
-    def skipped(name):
-        # Entries are module names or fragments (`lm_head`, `mlp.gate`) or patterns (`model.layers.*.self_attn`).
-        return any(s and (name == s or name.startswith(s + ".") or f".{s}." in f".{name}."
-                          or fnmatch.fnmatchcase(name, s + ".*")) for s in skip)
-
-    if spec.format is QuantFormat.FP8:
-        bm, bn = spec.block
-
-        def fp8(name, module_class, shape, is_weight):
-            if not is_weight or len(shape) < 2 or skipped(name):
-                return None
-            rows, cols = shape[-2], shape[-1]
-            lead = math.prod(shape[:-2])
-            # A fused gate_up_proj [E, 2I, H] is two [I, H] checkpoint matrices, each with its own block grid.
-            halves = 2 if name.endswith("gate_up_proj") else 1
-            scales = lead * halves * math.ceil(rows // halves / bm) * math.ceil(cols / bn)
-            return "float8_e4m3fn", math.prod(shape) + 4 * scales
-        return fp8
-    if spec.format is QuantFormat.MXFP4:
-        def mxfp4(name, module_class, shape, is_weight):
-            # GPT-OSS: routed expert matrices are MXFP4 (4-bit values + one 8-bit scale per 32): 4.25 bits each.
-            if not is_weight or len(shape) != 3 or "Experts" not in module_class or skipped(name):
-                return None
-            return "mxfp4", math.prod(shape) * 17 // 32
-        return mxfp4
-    return None
-
-
 def records_from_module(module: nn.Module, *, config=None, storage_dtype: torch.dtype | None = None) -> list[TensorRecord]:
     """One record per parameter and persistent buffer, in declaration order."""
-    quant = _quant_rule(config) if config is not None else None
+    quant = quant_rule(config) if config is not None else None
     records = []
     seen: set[int] = set()
     for mod_name, mod in module.named_modules():
@@ -342,8 +137,8 @@ def from_module(module: nn.Module, *, dtype: str | None = None) -> Inventory:
     experts, top_k = routing_of(config) if config is not None else (None, None)
     if experts is None:  # a bare module: look for the routing on its submodules
         for sub in module.modules():
-            e = next((getattr(sub, f) for f in _EXPERT_FIELDS if isinstance(getattr(sub, f, None), int)), None)
-            k = next((getattr(sub, f) for f in _TOPK_FIELDS if isinstance(getattr(sub, f, None), int)), None)
+            e = next((getattr(sub, f) for f in EXPERT_FIELDS if isinstance(getattr(sub, f, None), int)), None)
+            k = next((getattr(sub, f) for f in TOPK_FIELDS if isinstance(getattr(sub, f, None), int)), None)
             if e and k:
                 experts, top_k = e, k
                 break
@@ -355,8 +150,8 @@ def from_module(module: nn.Module, *, dtype: str | None = None) -> Inventory:
 
 def from_config(source, *, dtype: str | None = None) -> Inventory:
     config = read_config(source)
-    storage = _storage_dtype(config, dtype)
-    assumed = _assumed_dtype_note(config, dtype)  # before building: transformers then records the dtype on config
+    storage = storage_dtype(config, dtype)
+    assumed = assumed_dtype_note(config, dtype)  # before building: transformers then records the dtype on config
     model = build_meta_model(config, storage)
     # Built in the storage dtype already; not forcing it keeps what transformers holds in float32 whatever the
     # dtype (`_keep_in_fp32_modules_strict`: DeepSeek-V3/GLM-4.5 routers and `e_score_correction_bias`).
@@ -370,58 +165,6 @@ def from_config(source, *, dtype: str | None = None) -> Inventory:
 # Records from checkpoint headers
 
 
-def safetensors_files(folder: Path) -> list[Path]:
-    """The checkpoint's shard files; a missing shard named by the index is an error."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index} is malformed ({exc}); it must hold a 'weight_map' object") from exc
-        files = sorted({folder / f for f in weight_map.values()})
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(
-                f"{folder}: shard(s) {', '.join(missing)} named by {index.name} are missing; "
-                "the checkpoint is incomplete, copy the missing files")
-        return files
-    return sorted(folder.glob("*.safetensors"))
-
-
-def read_headers(files) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
-    """key -> (file, safetensors dtype, shape), from the headers alone."""
-    from safetensors import safe_open
-
-    out = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    sl = f.get_slice(key)
-                    out[key] = (path, sl.get_dtype(), tuple(sl.get_shape()))
-        except Exception as exc:  # safetensors raises SafetensorError for bad headers and truncation
-            raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); the file is corrupt or "
-                                  "truncated, copy it again") from exc
-    return out
-
-
-def _slot_shape(slot, shape: tuple[int, ...], expected: tuple[int, ...]) -> tuple[int, ...]:
-    """A checkpoint tensor's shape once its slot's transpose is applied."""
-    shape = list(shape)
-    if slot.transpose is not None and not (slot.transpose_if_needed and tuple(shape) == expected):
-        i, j = slot.transpose
-        shape[i], shape[j] = shape[j], shape[i]
-    return tuple(shape)
-
-
-def _expected_slot_shape(slot, full: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape a checkpoint tensor must have to fill its slot of an in-memory tensor of shape `full`."""
-    shape = list(full[1:] if slot.expert is not None else full)
-    if slot.parts > 1 and 0 <= slot.part_dim < len(shape):
-        shape[slot.part_dim] //= slot.parts
-    return tuple(shape)
-
-
 def from_checkpoint(folder, *, dtype: str | None = None, model: nn.Module | None = None,
                     config=None) -> Inventory:
     """Inventory from the safetensors headers. `dtype` (bf16/fp16/fp32): floating tensors are counted in
@@ -432,7 +175,7 @@ def from_checkpoint(folder, *, dtype: str | None = None, model: nn.Module | None
     if not files:
         raise CheckpointError(f"{folder} holds no .safetensors files; plan from its config.json instead")
     if model is None:
-        model = build_meta_model(config, _storage_dtype(config, dtype))
+        model = build_meta_model(config, storage_dtype(config, dtype))
     base = from_module(model)
     headers = read_headers(files)
     from ..formats.layouts import map_keys
@@ -447,7 +190,7 @@ def from_checkpoint(folder, *, dtype: str | None = None, model: nn.Module | None
     owner = {}
     for key in headers:
         stripped = key
-        for suffix in _QUANT_SUFFIXES:
+        for suffix in QUANT_SUFFIXES:
             if key.endswith(suffix):
                 stripped = key[: -len(suffix)] + (".weight" if suffix.startswith(".weight") else "")
                 break
@@ -467,7 +210,7 @@ def from_checkpoint(folder, *, dtype: str | None = None, model: nn.Module | None
         if target not in known:
             unexpected.append(key)
             continue
-        name, size = _ST_DTYPES.get(st_dtype, (st_dtype.lower(), 1))
+        name, size = ST_DTYPES.get(st_dtype, (st_dtype.lower(), 1))
         nbytes[target] = nbytes.get(target, 0) + math.prod(shape) * size
         if key.endswith("_blocks"):
             dtypes[target] = "mxfp4"
@@ -475,8 +218,8 @@ def from_checkpoint(folder, *, dtype: str | None = None, model: nn.Module | None
             dtypes[target] = name
         if owner[key] == key or key.endswith("_blocks"):
             covered.setdefault(target, set()).add((slot.expert, slot.part, slot.parts))
-        expected = _expected_slot_shape(slot, by_name[target].shape)
-        if owner[key] == key and _slot_shape(slot, shape, expected) != expected:
+        expected = expected_slot_shape(slot, by_name[target].shape)
+        if owner[key] == key and slot_shape(slot, shape, expected) != expected:
             misshapen.append(f"{key} {list(shape)} (needs {list(expected)})")
     if unexpected:
         raise CheckpointError(

@@ -34,17 +34,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Mapping, NoReturn
+from typing import Iterable, Mapping, NoReturn
 
 import torch
 
-from ..routing.cache_policy import DEFAULT_CACHE_POLICY, ExpertCache, make_cache
+from ..routing.cache_policy import DEFAULT_CACHE_POLICY, make_cache
+from ..routing.expert_cache import ExpertCache
 from ..errors import BudgetError, MoeOffloadError, SelectorError
 from ..planning.planner import DEFAULT_RESERVE_GB, GiB, format_bytes
 
-if TYPE_CHECKING:
-    from .experts import ExpertsState
-    from .runtime import Runtime
+from .experts import ExpertsState
+from .state import RunState
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -114,7 +114,7 @@ class _Layer:
     nbytes: tuple[int, ...]                 # per expert: offloaded bytes over every tensor (0: resident in all)
 
 
-def _layout(module: str, state: "ExpertsState") -> _Layer:
+def _layout(module: str, state: ExpertsState) -> _Layer:
     names, row_bytes, host_rows, resident_rows = [], [], [], []
     experts = state.num_experts
     for name, t in state.offloaded.items():
@@ -149,7 +149,7 @@ class DeviceCache:
         self._layers: dict[int, _Layer] = {}
 
     # --- layout ------------------------------------------------------------------------------
-    def attach(self, states: Mapping[str, "ExpertsState"], device: torch.device) -> None:
+    def attach(self, states: Mapping[str, ExpertsState], device: torch.device) -> None:
         """Lay the cache out over the experts modules' offloaded tensors (module name -> state); carves the arena
         the first time, and again only when a transform changed the row sizes. Anything cached is dropped: it
         was copied from the weights as they were before."""
@@ -240,7 +240,7 @@ class DeviceCache:
                 "cache_page_bytes": self.page_bytes}
 
     # --- one layer step ----------------------------------------------------------------------
-    def gather(self, rt: "Runtime", state: "ExpertsState", selected: torch.Tensor) -> dict[str, torch.Tensor]:
+    def gather(self, rt: RunState, state: ExpertsState, selected: torch.Tensor) -> dict[str, torch.Tensor]:
         """The `selected` experts (ascending ids) of every offloaded tensor of `state`, gathered in that order into
         the runtime's reused buffers: local name -> [U, ...]. Counts the link bytes of the misses."""
         lay = self._layers[state.layer]
@@ -287,7 +287,7 @@ class DeviceCache:
                 out.index_copy_(0, _index(resident_pos, dev), resident.index_select(0, _index(resident_rows, dev)))
             if link_pos:
                 where = host.device if host.device == dev else torch.device("cpu")
-                rt._copy_rows(host, _index(link_rows, where), out, positions=_index(link_pos, where))
+                rt.copy_rows(host, _index(link_rows, where), out, positions=_index(link_pos, where))
             if cached_rows or admit_rows:
                 out_pages = out.view(-1).view(torch.uint8).view(-1, page)   # [U * k, page_bytes]
                 if cached_rows:

@@ -11,9 +11,9 @@ meta placeholder of the tensor's shape (no memory); the runtime reads:
   a fused on-disk tensor `[E, ...]` is read by runs of consecutive expert ids;
 - the input embedding: the rows of the distinct token ids of the call;
 - every other (dense) tensor: whole, per decoder layer, one layer ahead on a background thread
-  (disk.DensePrefetcher: two slots of the largest layer's dense disk bytes).
+  (disk_prefetch.DensePrefetcher: two slots of the largest layer's dense disk bytes).
 
-Bytes are counted in the runtime's `disk_counter` (a LinkCounter beside the host link's), with the same
+Bytes are counted in the runtime's `disk_counter` (a state.LinkCounter beside the host link's), with the same
 definition as accounting.py's `disk_read_bytes_per_token`: bytes // E per selected expert, one row per
 distinct token id, dense tensors in full. The readers' own `bytes_read` (alignment included) and
 `read_calls` are what the disk really delivered. A checkpoint file changed or cut short after load is a
@@ -31,15 +31,16 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 import torch.nn as nn
 
-from ..storage.disk import DensePrefetcher, SafetensorsReader, checkpoint_readers
+from ..storage.disk import SafetensorsReader, checkpoint_readers
+from ..storage.disk_prefetch import DensePrefetcher
 from ..errors import CheckpointError, MoeOffloadError
 from ..model.inventory import layer_prefix
 from ..formats.layouts import Slot
+from .state import RunState
 from ..storage.host import HostArena, set_tensor
 
 if TYPE_CHECKING:
     from ..planning.planner import Plan
-    from .runtime import Runtime
     from ..storage.host import ExpertSplit
 
 
@@ -252,11 +253,11 @@ class DiskTier:
             self._arena.release()
 
     # --- experts --------------------------------------------------------------------------
-    def stage_experts(self, rt: "Runtime", src: DiskTensor, selected: torch.Tensor, split: "ExpertSplit | None",
+    def stage_experts(self, rt: RunState, src: DiskTensor, selected: torch.Tensor, split: "ExpertSplit | None",
                       *, key: str) -> torch.Tensor:
         """The `selected` experts (ascending ids) of `src`, in that order, in a reused device buffer [U, ...]:
         those on disk read from the checkpoint, a split tensor's resident ones by a device-local gather."""
-        out = rt._buffer(("rows", key, src.shape[1:], src.dtype), (selected.numel(), *src.shape[1:]), src.dtype)
+        out = rt.buffer(("rows", key, src.shape[1:], src.dtype), (selected.numel(), *src.shape[1:]), src.dtype)
         if split is None:
             ids = selected.tolist()
             self._read_rows(src, ids, out, key)
@@ -267,8 +268,8 @@ class DiskTier:
             out.index_copy_(0, here, split.resident.index_select(0, rows[here]))
             ids = selected[there].tolist()
             if ids:
-                tmp = rt._buffer(("disk-rows", key, src.shape[1:], src.dtype), (len(ids), *src.shape[1:]),
-                                 src.dtype)
+                tmp = rt.buffer(("disk-rows", key, src.shape[1:], src.dtype), (len(ids), *src.shape[1:]),
+                                src.dtype)
                 self._read_rows(src, ids, tmp, key)
                 out.index_copy_(0, there, tmp)
         rt.disk_counter.add(src.row_bytes * len(ids))
@@ -295,7 +296,7 @@ class DiskTier:
         return buf
 
     # --- dense tensors and the embedding --------------------------------------------------
-    def attach_dense(self, rt: "Runtime", model: nn.Module, experts_modules: set[str]) -> None:
+    def attach_dense(self, rt: RunState, model: nn.Module, experts_modules: set[str]) -> None:
         """Hooks that read every disk-tier tensor outside the experts modules while its module runs."""
         tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
         groups: dict[str, list[tuple[str, DiskTensor]]] = {}
@@ -330,7 +331,7 @@ class DiskTier:
         for g in order:
             self._hook_group(rt, modules[g], groups[g], index.get(g))
 
-    def _hook_group(self, rt: "Runtime", mod: nn.Module, members: list[tuple[str, DiskTensor]],
+    def _hook_group(self, rt: RunState, mod: nn.Module, members: list[tuple[str, DiskTensor]],
                     index: int | None) -> None:
         nbytes = sum(s.nbytes for _, s in members)
         placeholders = [(rel, _get(mod, rel)) for rel, _ in members]
@@ -351,18 +352,18 @@ class DiskTier:
             for rel, ph in placeholders:
                 set_tensor(m, rel, ph)
 
-        rt._handles.append(mod.register_forward_pre_hook(pre))
-        rt._handles.append(mod.register_forward_hook(post))
+        rt.handles.append(mod.register_forward_pre_hook(pre))
+        rt.handles.append(mod.register_forward_hook(post))
 
-    def _hook_embedding(self, rt: "Runtime", mod: nn.Embedding, src: DiskTensor) -> None:
+    def _hook_embedding(self, rt: RunState, mod: nn.Embedding, src: DiskTensor) -> None:
         placeholder, padding = mod.weight, mod.padding_idx
 
         def pre(m, args):
             (ids,) = args[:1]
             rows = torch.unique(ids)                             # only these rows are read
             rt.disk_counter.add(rows.numel() * src.row_bytes)
-            out = rt._buffer(("rows", "disk-embedding", src.shape[1:], src.dtype), (rows.numel(), *src.shape[1:]),
-                             src.dtype)
+            out = rt.buffer(("rows", "disk-embedding", src.shape[1:], src.dtype), (rows.numel(), *src.shape[1:]),
+                            src.dtype)
             self._read_rows(src, rows.tolist(), out, "disk-embedding")
             set_tensor(m, "weight", out)
             m.padding_idx = None   # it indexes the full table; the staged rows are renumbered
@@ -372,8 +373,8 @@ class DiskTier:
             set_tensor(m, "weight", placeholder)
             m.padding_idx = padding
 
-        rt._handles.append(mod.register_forward_pre_hook(pre))
-        rt._handles.append(mod.register_forward_hook(post))
+        rt.handles.append(mod.register_forward_pre_hook(pre))
+        rt.handles.append(mod.register_forward_hook(post))
 
 
 def placeholder(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

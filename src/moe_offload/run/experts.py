@@ -2,7 +2,7 @@
 
 transformers' experts registry (`ALL_EXPERTS_FUNCTIONS`) lets the function registered here
 see `top_k_index` before any expert weight is touched. It is installed on every experts
-module of a loaded model, so it also serves as the routing observer (`RoutedCall`, for
+module of a loaded model, so it also serves as the routing observer (state.RoutedCall, for
 `profile`), offloaded or not. A module with nothing offloaded runs the class's own eager
 forward unchanged.
 
@@ -32,34 +32,15 @@ from its cache pages (a hit: no link bytes), its resident stack, or the host (a 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 import torch.nn as nn
 
+from .state import RunState
 from ..storage.host import ExpertSplit
 
-if TYPE_CHECKING:
-    from .runtime import Runtime
-
 EXPERTS_IMPL = "moe_offload"
-
-
-@dataclass(frozen=True)
-class RoutedCall:
-    """The routing of one forward call of the whole model, as its experts modules saw it."""
-
-    tokens: int                        # new tokens per sequence in this call
-    decode: bool                       # a step on a non-empty KV cache (else prefill)
-    experts: dict[int, torch.Tensor]   # decoder layer N (model.layers.N) -> top_k_index [sequences * tokens, k], cpu
-
-    @property
-    def phase(self) -> str:
-        """Every token of a call shares it: `decode` or `prefill`."""
-        return "decode" if self.decode else "prefill"
-
-
-Recorder = Callable[[RoutedCall], None]
 
 
 def original_forward(module: nn.Module) -> Callable:
@@ -108,7 +89,7 @@ def _row_bytes(t: torch.Tensor) -> int:
 
 @dataclass
 class ExpertsState:
-    runtime: "Runtime"
+    runtime: RunState
     offloaded: dict[str, torch.Tensor]  # local name -> host tensor or host stack (device-visible view for uva)
     num_experts: int
     split: dict[str, ExpertSplit] = field(default_factory=dict)  # local name -> layout, tensors split by expert

@@ -33,8 +33,8 @@ import torch
 import torch.nn as nn
 
 from ..errors import CheckpointError
-from ..formats.quant import (_ST, SCALE_SUFFIX, QuantFormat, QuantSpec, QuantTensor, check_fp8, check_mxfp4,
-                    dequantize_fp8, fp4_lut, fp8_scale_shape)
+from ..formats.quant import STORED_DTYPES as _ST, QuantFormat, QuantSpec, QuantTensor
+from ..formats.quant_codecs import SCALE_SUFFIX, check_fp8, check_mxfp4, dequantize_fp8, fp4_lut, fp8_scale_shape
 from ..storage.host import ExpertSplit, set_tensor
 
 MXFP4_SCALES, MXFP4_BLOCKS = "_scales", "_blocks"
@@ -123,7 +123,7 @@ def quant_layouts(model: nn.Module, spec: QuantSpec, headers: Mapping[str, tuple
                   shapes: Mapping[str, tuple[int, ...]]) -> dict[str, QuantLayout]:
     """in-memory name -> QuantLayout for every tensor the checkpoint stores quantized.
 
-    headers: checkpoint key -> (file, safetensors dtype, shape) (inventory.read_headers, already checked by
+    headers: checkpoint key -> (file, safetensors dtype, shape) (checkpoint.read_headers, already checked by
     quant.check_headers); slots: owner key (`checkpoint_owner`) -> layouts.Slot; shapes: in-memory name -> shape
     (the plan's). Raises CheckpointError naming the tensor for anything this cannot hold as stored."""
     def dtype(key):

@@ -3,7 +3,7 @@
 Two backends, both real on every machine:
 
 - `uva`: kernels read offloaded weights in place, through device-visible views of pinned
-  host memory (storage.py). Nothing is copied up front.
+  host memory (storage/host.py). Nothing is copied up front.
 - `prefetch`: offloaded dense tensors are copied into reused device buffers before their
   module runs (on a side stream, one module ahead, on CUDA); for routed experts only the
   experts the router selected are staged; offloaded embedding tables are read by rows.
@@ -16,24 +16,28 @@ on them, so the arithmetic is the model's own. The same function hands the routi
 call to an optional recorder (`Runtime.recorder`), offloaded or not.
 
 Every backend counts the bytes it reads from the host tier per forward call: that is the
-measured link traffic (`LinkCounter`).
+measured link traffic (`LinkCounter`, state.py).
 
 An optional device-side expert cache (`Runtime.cache`, device_cache.py) keeps offloaded experts
 that decode steps fetched in device memory carved at load; a hit reads nothing over the link.
+
+`Runtime` builds on `RunState` (state.py: the counters, staging buffers, hook handles and per-call
+routing state the readers share); it attaches the readers to the model and runs the per-call hooks.
+The prefetch backend's dense ring is dense_prefetch.py.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
-from .experts import EXPERTS_IMPL, ExpertsState, Recorder, RoutedCall, is_experts_module, register_experts_function
+from .dense_prefetch import DenseRing, tensor_at
+from .experts import EXPERTS_IMPL, ExpertsState, is_experts_module, register_experts_function
 from ..model.inventory import layer_of, layer_prefix
 from .quant_weights import Dequantizer, Reader, byte_split, byte_view, by_module as quant_by_module
+from .state import Recorder, RoutedCall, RunState
 from ..storage.host import ExpertSplit, set_tensor
 
 if TYPE_CHECKING:
@@ -42,39 +46,9 @@ if TYPE_CHECKING:
 BACKENDS = ("uva", "prefetch")
 
 
-@dataclass
-class LinkCounter:
-    """Bytes read from the host tier, per forward call of the whole model."""
-
-    calls: list[tuple[int, int]] = field(default_factory=list)  # (new tokens per sequence, bytes)
-    decode: list[bool] = field(default_factory=list)             # per call: a step on a non-empty KV cache
-    _pending: int = 0
-
-    def add(self, nbytes: int) -> None:
-        self._pending += int(nbytes)
-
-    def end_call(self, tokens_per_sequence: int, decode: bool | None = None) -> None:
-        self.calls.append((tokens_per_sequence, self._pending))
-        self.decode.append(tokens_per_sequence == 1 if decode is None else decode)
-        self._pending = 0
-
-    def reset(self) -> None:
-        self.calls.clear()
-        self.decode.clear()
-        self._pending = 0
-
-    def discard_pending(self) -> None:
-        self._pending = 0
-
-    def decode_bytes_per_token(self, batch: int = 1) -> float:
-        """Mean bytes per decoded token over decode steps (one new token per sequence, on a non-empty
-        cache: a one-token prompt's prefill is not a decode step), prefill excluded."""
-        steps = [b for (n, b), dec in zip(self.calls, self.decode) if n == 1 and dec]
-        return sum(steps) / (len(steps) * batch) if steps else 0.0
-
-
-class Runtime:
-    """Holds one loaded model's backend state: host arena, staging buffers, counters and hook handles."""
+class Runtime(RunState):
+    """One loaded model's runtime: its host arena and plan, and the hooks that read offloaded weights (on the
+    counters, staging buffers and hook handles of RunState)."""
 
     def __init__(self, model: nn.Module, *, device: torch.device, backend: str, arena, host_names: dict[str, str],
                  host_tensors: dict[str, torch.Tensor] | None = None, plan=None,
@@ -84,9 +58,12 @@ class Runtime:
 
         if backend not in BACKENDS:
             raise DeviceError(f"unknown backend {backend!r}: use uva or prefetch")
+        # name -> quant_weights.QuantLayout of every tensor held quantized (values + scales as stored, in its tier);
+        # the dequantizer turns them into the compute dtype on the device right before use.
+        self.quant = dict(quant or {})
+        super().__init__(device=device, backend=backend, recorder=recorder, cache=cache, disk=disk,
+                         dequantizer=Dequantizer(device, self.quant) if self.quant else None)
         self.model = model
-        self.device = device
-        self.backend = backend
         self.arena = arena
         self.host_names = dict(host_names)  # in-memory name -> tier ("host"/"disk"), tracked by name
         # name -> the host-memory tensor behind an offloaded weight (the model may hold a uva view of it)
@@ -94,24 +71,6 @@ class Runtime:
         self.plan = plan                     # the plan applied, for audits after transforms
         # name -> layout (resident stack, host ids) of routed-expert tensors split between tiers by expert
         self.splits = dict(splits or {})
-        self.counter = LinkCounter()
-        # The disk tier (disk_tier.DiskTier) or None; its reads are counted apart from the host link's.
-        self.disk = disk
-        self.disk_counter = LinkCounter()
-        self.routes: list[tuple[torch.Tensor, int]] = []  # uva: (top_k_index, bytes per expert), counted per call
-        # Called with each forward call's routing (RoutedCall) when set; `routed` collects it during the call.
-        self.recorder: Recorder | None = recorder
-        self.routed: dict[int, torch.Tensor] = {}
-        # The device-side expert cache (device_cache.py), or None; it serves decode steps (`cache_step`) only.
-        self.cache = cache
-        self.cache_step = False
-        # name -> quant_weights.QuantLayout of every tensor held quantized (values + scales as stored, in its tier);
-        # the dequantizer turns them into the compute dtype on the device right before use.
-        self.quant = dict(quant or {})
-        self.dequantizer = Dequantizer(device, self.quant) if self.quant else None
-        self._handles: list = []
-        self._staging: dict[tuple, torch.Tensor] = {}
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     # --- mechanism report ----------------------------------------------------------------
     @property
@@ -131,56 +90,6 @@ class Runtime:
     @property
     def host_bytes(self) -> int:
         return self.arena.nbytes
-
-    # --- staging -------------------------------------------------------------------------
-    def rows_buffer(self, key: str, host: torch.Tensor, count: int) -> torch.Tensor:
-        """The reused device buffer [count, *host.shape[1:]] that `key`'s selected rows are gathered into."""
-        shape = tuple(host.shape[1:])
-        return self._buffer(("rows", key, shape, host.dtype), (count, *shape), host.dtype)
-
-    def _buffer(self, key: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        need = math.prod(shape)
-        buf = self._staging.get(key)
-        if buf is None or buf.numel() < need:
-            buf = torch.empty(need, dtype=dtype, device=self.device)
-            self._staging[key] = buf
-        return buf[:need].view(shape)
-
-    def stage_split(self, split: ExpertSplit, host: torch.Tensor, selected: torch.Tensor, on_host: torch.Tensor,
-                    *, key: str) -> torch.Tensor:
-        """Gather the `selected` experts (ascending ids) of a split tensor, in that order: those of the resident
-        stack by a device-local gather (no link bytes), those of the host stack `host` (`on_host`) over the link."""
-        out = self.rows_buffer(key, host, selected.numel())
-        rows = split.row[selected]                                   # [U] row of each expert in its stack
-        here = (~on_host).nonzero().squeeze(1)                       # positions in `out` of resident experts
-        there = on_host.nonzero().squeeze(1)
-        out.index_copy_(0, here, split.resident.index_select(0, rows[here]))
-        self._copy_rows(host, rows[there], out, positions=there)
-        return out
-
-    def stage_rows(self, host: torch.Tensor, rows: torch.Tensor, *, key: str) -> torch.Tensor:
-        """Copy host[rows] into a reused device buffer, one per `key` (a tensor's local name, so two tensors
-        staged for the same forward never share one) and row shape, shared by all layers (they run in turn)."""
-        out = self.rows_buffer(key, host, rows.numel())
-        self._copy_rows(host, rows, out)
-        return out
-
-    def _copy_rows(self, host: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
-                   positions: torch.Tensor | None = None) -> None:
-        """out[positions[i]] = host[rows[i]] (positions: 0, 1, ... when not given).
-
-        `host` readable by the device (the cpu, or a uva view of mapped pinned memory): one gather kernel
-        that reads the host rows in place. Pinned host memory seen from an accelerator (prefetch): row by
-        row, asynchronous DMA, no pageable temporary."""
-        if host.device == self.device:
-            if positions is None:
-                torch.index_select(host, 0, rows, out=out[:rows.numel()])
-            else:
-                out.index_copy_(0, positions, host.index_select(0, rows))
-            return
-        pos = range(rows.numel()) if positions is None else positions.tolist()
-        for i, r in zip(pos, rows.tolist()):
-            out[i].copy_(host[r], non_blocking=True)
 
     # --- attach / detach -------------------------------------------------------------------
     def attach(self) -> None:
@@ -240,7 +149,7 @@ class Runtime:
         if self.disk is not None:   # dense and embedding tensors on disk: read while their module runs
             self.disk.attach_dense(self, self.model, {n for n, m in modules.items() if is_experts_module(m)})
         if self.dequantizer is not None:   # after the dense hooks: a staged copy is dequantized, not the host one
-            self.dequantizer.hook_linears(self.model, self._handles)
+            self.dequantizer.hook_linears(self.model, self.handles)
         unserved = sorted(set(self.splits) - served)
         if unserved:
             from ..errors import MoeOffloadError
@@ -251,15 +160,15 @@ class Runtime:
             self.cache.attach(states, self.device)
         if experts_modules:
             self.model.set_experts_implementation(EXPERTS_IMPL)
-        self._handles.append(self.model.register_forward_pre_hook(self._top_pre, with_kwargs=True))
-        self._handles.append(self.model.register_forward_hook(self._top_post, with_kwargs=True))
+        self.handles.append(self.model.register_forward_pre_hook(self._top_pre, with_kwargs=True))
+        self.handles.append(self.model.register_forward_hook(self._top_post, with_kwargs=True))
         self._experts_modules = experts_modules
 
     def detach(self) -> None:
         """Remove every hook and cached reference to the weights; attach() builds them afresh."""
-        for h in self._handles:
+        for h in self.handles:
             h.remove()
-        self._handles.clear()
+        self.handles.clear()
         for mod in getattr(self, "_experts_modules", []):
             mod.__dict__.pop("_moe_offload_state", None)
         dense = self.__dict__.pop("_dense", None)
@@ -331,147 +240,15 @@ class Runtime:
                 m.padding_idx = padding
 
         padding = mod.padding_idx
-        self._handles.append(mod.register_forward_pre_hook(pre))
-        self._handles.append(mod.register_forward_hook(post))
+        self.handles.append(mod.register_forward_pre_hook(pre))
+        self.handles.append(mod.register_forward_hook(post))
 
     def _hook_dense(self, mod_name: str, mod: nn.Module, locals_: list[str]) -> None:
         """`locals_`: dotted paths, relative to `mod`, of its offloaded dense tensors (read in full per call)."""
-        nbytes = sum(_get(mod, n).numel() * _get(mod, n).element_size() for n in locals_)
+        nbytes = sum(tensor_at(mod, n).numel() * tensor_at(mod, n).element_size() for n in locals_)
         if self.backend == "uva":
-            self._handles.append(mod.register_forward_pre_hook(lambda m, a: self.counter.add(nbytes)))
+            self.handles.append(mod.register_forward_pre_hook(lambda m, a: self.counter.add(nbytes)))
             return
         if not hasattr(self, "_dense"):
-            self._dense = _DensePrefetcher(self)
+            self._dense = DenseRing(self)
         self._dense.add(mod, locals_, nbytes, mod_name)
-
-
-class _DensePrefetcher:
-    """Stages offloaded dense tensors into a ring of two reused device buffers.
-
-    Module j runs from ring slot s while module j+1 (the module that followed j last time)
-    is copied into slot 1-s on a side stream (CUDA). The side stream waits until the
-    compute stream has finished with slot 1-s; the compute stream waits until the copy has
-    landed. Without CUDA (or for the first call) the copy is made in line. Device memory
-    used: two slots of the largest module's offloaded bytes.
-    """
-
-    def __init__(self, runtime: Runtime):
-        self.rt = runtime
-        self.ring: list[torch.Tensor | None] = [None, None]
-        self.staged: list[tuple[int, list[torch.Tensor]] | None] = [None, None]   # (module id, views)
-        self.ready: list = [None, None]
-        self.free: list = [None, None]
-        self.order: dict[int, nn.Module] = {}   # module id -> module that ran after it
-        self.modules: dict[int, tuple[nn.Module, list[str], int]] = {}
-        self.last: int | None = None
-        self.slot = 0
-        self.names: dict[int, str] = {}
-        self.slot_bytes = 0                     # bytes of one ring slot: the largest group's aligned tensors
-        self.outer: set[int] | None = None      # modules that contain other staged modules (see pre)
-
-    def add(self, mod: nn.Module, locals_: list[str], nbytes: int, name: str = "") -> None:
-        self.modules[id(mod)] = (mod, locals_, nbytes)
-        aligned = sum(-(-_get(mod, n).numel() * _get(mod, n).element_size() // 16) * 16 for n in locals_)
-        self.slot_bytes = max(self.slot_bytes, aligned)
-        self.names[id(mod)] = name
-        self.rt._handles.append(mod.register_forward_pre_hook(self.pre))
-        self.rt._handles.append(mod.register_forward_hook(self.post))
-
-    def _copy_into(self, slot: int, mod: nn.Module, locals_: list[str]) -> list[torch.Tensor]:
-        hosts = [mod._moe_offload_host[n] for n in locals_]
-        sizes = [-(-h.numel() * h.element_size() // 16) * 16 for h in hosts]
-        buf = self.ring[slot]
-        if buf is None:
-            # Sized once for the largest group: a slot is never reallocated, so a copy on the side stream can
-            # never land in memory the allocator handed out again.
-            buf = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.rt.device)
-            self.ring[slot] = buf
-        views, off = [], 0
-        for h, size in zip(hosts, sizes):
-            v = buf[off:off + h.numel() * h.element_size()].view(h.dtype).view(h.shape)
-            v.copy_(h, non_blocking=True)
-            views.append(v)
-            off += size
-        self.staged[slot] = (id(mod), views)
-        return views
-
-    def pre(self, mod, args):
-        _, locals_, nbytes = self.modules[id(mod)]
-        self.rt.counter.add(nbytes)                           # read in full, every call
-        if not hasattr(mod, "_moe_offload_host"):
-            mod._moe_offload_host = {n: _get(mod, n) for n in locals_}
-        if self.outer is None:
-            self.outer = {i for i, name in self.names.items()
-                          if any(o != i and other.startswith(f"{name}." if name else "")
-                                 for o, other in self.names.items())}
-        if id(mod) in self.outer:
-            # Its tensors (gpt-oss attention `sinks`) stay in use while the staged modules inside it run
-            # through the ring, so they get buffers of their own instead of a ring slot.
-            for n in locals_:
-                h = mod._moe_offload_host[n]
-                v = self.rt._buffer(("module", id(mod), n), tuple(h.shape), h.dtype)
-                v.copy_(h, non_blocking=True)
-                set_tensor(mod, n, v)
-            return None
-        if self.last is not None and id(mod) not in self.order.get(self.last, ()):
-            self.order[self.last] = (id(mod),)
-        self.last = id(mod)
-        staged = self.staged[self.slot]
-        if staged is not None and staged[0] == id(mod):       # prefetched on the side stream for this call
-            views = staged[1]
-            torch.cuda.current_stream(self.rt.device).wait_event(self.ready[self.slot])
-        else:                                                  # copied in line, on the compute stream
-            if self.ready[self.slot] is not None:              # after any side-stream copy still landing there
-                torch.cuda.current_stream(self.rt.device).wait_event(self.ready[self.slot])
-            views = self._copy_into(self.slot, mod, locals_)
-        for n, v in zip(locals_, views):
-            set_tensor(mod, n, v)
-        self._prefetch_next(mod)
-        return None
-
-    def _prefetch_next(self, mod) -> None:
-        stream = self.rt._stream
-        nxt = self.order.get(id(mod))
-        if stream is None or not nxt:
-            return
-        other = 1 - self.slot
-        nxt_mod, nxt_locals, _ = self.modules[nxt[0]]
-        if not hasattr(nxt_mod, "_moe_offload_host"):
-            return
-        if self.free[other] is not None:
-            stream.wait_event(self.free[other])
-        with torch.cuda.stream(stream):
-            self._copy_into(other, nxt_mod, nxt_locals)
-            self.ready[other] = torch.cuda.Event()
-            self.ready[other].record(stream)
-
-    def post(self, mod, args, output):
-        _, locals_, _ = self.modules[id(mod)]
-        for n in locals_:
-            set_tensor(mod, n, mod._moe_offload_host[n])
-        if id(mod) in (self.outer or ()):
-            return
-        if self.rt._stream is not None:
-            self.free[self.slot] = torch.cuda.Event()
-            self.free[self.slot].record(torch.cuda.current_stream(self.rt.device))
-        # A slot's copy serves one call only: the next call copies again (what the link really carries,
-        # and never stale after a weight update).
-        self.staged[self.slot] = None
-        self.ready[self.slot] = None
-        # The next module runs from the other slot (where its prefetch went, if any).
-        self.slot = 1 - self.slot
-
-    def invalidate(self) -> None:
-        """Forget prefetched copies (weights changed under them); the next call copies in line."""
-        self.staged = [None, None]
-        self.ready = [None, None]
-
-    def release(self) -> None:
-        """Drop the cached host tensors of every module (detach: weights may be re-registered)."""
-        for mod, _, _ in self.modules.values():
-            mod.__dict__.pop("_moe_offload_host", None)
-
-
-def _get(mod: nn.Module, path: str) -> torch.Tensor:
-    owner, _, name = path.rpartition(".")
-    return getattr(mod.get_submodule(owner) if owner else mod, name)
