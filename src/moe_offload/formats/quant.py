@@ -85,7 +85,7 @@ def spec_from_config(config) -> QuantSpec | None:
 
 
 def check_headers(spec: QuantSpec, headers: Mapping[str, tuple[Any, str, tuple[int, ...]]]) -> None:
-    """Check every quantized tensor of a checkpoint from its headers (`inventory.read_headers`: key ->
+    """Check every quantized tensor of a checkpoint from its headers (`model/checkpoint.read_headers`: key ->
     (file, safetensors dtype, shape)): FP8 weights have matching scales, no scale lacks its weight, MXFP4
     blocks have 16-byte groups and matching scales. Raises CheckpointError naming the first bad tensor."""
     def dtype(key):

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import CheckpointError
-from ..formats.quant import STORED_DTYPES as _ST, QuantFormat, QuantSpec, QuantTensor
+from ..formats.quant import STORED_DTYPES, QuantFormat, QuantSpec, QuantTensor
 from ..formats.quant_codecs import SCALE_SUFFIX, check_fp8, check_mxfp4, dequantize_fp8, fp4_lut, fp8_scale_shape
 from ..storage.host import ExpertSplit, set_tensor
 
@@ -128,7 +128,7 @@ def quant_layouts(model: nn.Module, spec: QuantSpec, headers: Mapping[str, tuple
     (the plan's). Raises CheckpointError naming the tensor for anything this cannot hold as stored."""
     def dtype(key):
         st = headers[key][1]
-        return _ST.get(st, st)
+        return STORED_DTYPES.get(st, st)
 
     pieces: dict[str, list[str]] = {}   # target -> checkpoint keys of its quantized values
     plain: dict[str, list[str]] = {}    # target -> checkpoint keys of its unquantized values
