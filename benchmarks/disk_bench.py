@@ -130,8 +130,8 @@ class _Meter:
 def child(arm: str, folder: Path, budget_gb: float, reserve_gb: float, tokens: int, threads: int) -> dict:
     import torch
 
-    from moe_offload.measure.accelerate_arm import AccelerateArm, peak_rss_bytes, reset_peak_rss
-    from moe_offload.measure.bench import _greedy
+    from moe_offload.measure.accelerate_arm import AccelerateArm
+    from moe_offload.measure.timing import greedy as _greedy, peak_rss_bytes, reset_peak_rss
     from moe_offload.loading.loader import load, load_tokenizer
 
     # One thread by default: on this shared 2-core VM two OpenMP threads make small kernels (the eager experts

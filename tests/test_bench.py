@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import moe_offload as mo
-from moe_offload.measure import bench, plots
+from moe_offload.measure import arms, bench, plots, runtime_rows, timing
 from moe_offload.cli import report
 from moe_offload.cli.main import main
 from moe_offload.errors import MoeOffloadError
@@ -98,7 +98,7 @@ def test_runs_and_itl_samples_count_only_measured_runs(rows):
 
 def test_the_warm_up_run_is_discarded(model_dir, monkeypatch):
     """The first run of each (arm, concurrency) is made absurdly slow: no figure may show it."""
-    real, calls, measured = bench._greedy, [], {}
+    real, calls, measured = timing.greedy, [], {}
 
     def greedy(model, enc, max_new_tokens, device):
         run = real(model, enc, max_new_tokens, device)
@@ -109,7 +109,7 @@ def test_the_warm_up_run_is_discarded(model_dir, monkeypatch):
             measured.setdefault(enc["input_ids"].shape[0], []).append(run)
         return run
 
-    monkeypatch.setattr(bench, "_greedy", greedy)
+    monkeypatch.setattr(timing, "greedy", greedy)
     out = bench.run_bench(model_dir, arms="sparse-first", concurrency=LEVELS, runs=RUNS, max_new_tokens=NEW,
                           offload_gb=BUDGET_GB, device="cpu")
     assert calls == [c for c in LEVELS for _ in range(RUNS + 1)]
@@ -182,10 +182,10 @@ def test_the_decode_loop_is_greedy_decoding(model_dir):
     short, long = "The river.", "A much longer prompt about the slow history of printing presses in Europe."
     with torch.no_grad():
         alone = tok([short], return_tensors="pt")
-        mine = bench._greedy(model, alone, 6, torch.device("cpu")).token_ids
+        mine = timing.greedy(model, alone, 6, torch.device("cpu")).token_ids
         ref = model.generate(**alone, max_new_tokens=6, min_new_tokens=6, do_sample=False)
         assert mine.tolist() == ref[:, alone["input_ids"].shape[1]:].tolist()
-        padded = bench._greedy(model, tok([long, short], return_tensors="pt", padding=True), 6,
+        padded = timing.greedy(model, tok([long, short], return_tensors="pt", padding=True), 6,
                                torch.device("cpu")).token_ids
     assert padded[1].tolist() == mine[0].tolist()
 
@@ -285,10 +285,10 @@ def test_cli_bench_needs_a_budget(model_dir, capsys):
 def test_row_metrics_from_known_timings(model_dir):
     """Every time metric of a row, from three hand-made runs (concurrency 2, 4 new tokens each)."""
     model, plan = mo.load(model_dir, device="cpu", offload_gb=BUDGET_GB)
-    runs = [bench._Run(0.1, [0.01, 0.02, 0.03], 0.16, [100, 200, 300], torch.zeros(2, 4)),
-            bench._Run(0.2, [0.02, 0.02, 0.04], 0.28, [100, 100, 100], torch.zeros(2, 4)),
-            bench._Run(0.3, [0.01, 0.01, 0.01], 0.33, [400, 400, 400], torch.zeros(2, 4))]
-    row = bench._row(bench.parse_arms("sparse-first")[0], 2, runs, model, plan, prompts=["a", "b"],
+    runs = [timing.Run(0.1, [0.01, 0.02, 0.03], 0.16, [100, 200, 300], torch.zeros(2, 4)),
+            timing.Run(0.2, [0.02, 0.02, 0.04], 0.28, [100, 100, 100], torch.zeros(2, 4)),
+            timing.Run(0.3, [0.01, 0.01, 0.01], 0.33, [400, 400, 400], torch.zeros(2, 4))]
+    row = runtime_rows.make_row(arms.parse_arms("sparse-first")[0], 2, runs, model, plan, prompts=["a", "b"],
                      same_prompt=False, max_new_tokens=4, link_gbps=25.0, model_name="m", budget_label="b")
     # ITL samples sorted: .01 .01 .01 .01 .02 .02 .02 .03 .04 -> p50 = the 5th = 0.02 s;
     # p90 at position 7.2: 0.03 + 0.2 x (0.04 - 0.03) = 0.032 s
@@ -475,13 +475,13 @@ def test_accelerate_is_timed_by_the_same_loop(model_dir, monkeypatch):
     from moe_offload.measure.accelerate_arm import AccelerateArm
 
     calls = []
-    real = bench._greedy
+    real = timing.greedy
 
     def counting(model, enc, new, device, meter=None):
         calls.append(type(meter).__name__)
         return real(model, enc, new, device, meter)
 
-    monkeypatch.setattr(bench, "_greedy", counting)
+    monkeypatch.setattr(timing, "greedy", counting)
     rows = bench.run_bench(model_dir, arms="accelerate", concurrency=(1,), runs=2, max_new_tokens=2,
                            offload_gb=BUDGET_GB, device="cpu")
     assert calls == [AccelerateArm.__name__] * 3                   # warm-up + 2 measured, bench's own loop

@@ -132,7 +132,7 @@ def test_generate_on_an_invalid_config_says_the_config_is_not_json(capsys, model
 
 
 def test_generate_refuses_an_empty_prompt_before_loading(capsys, model_dir, monkeypatch):
-    from moe_offload.cli import commands
+    from moe_offload.cli import run_commands as commands
 
     def loaded(*args, **kwargs):
         raise AssertionError("generate loaded the model for an empty prompt")

@@ -19,14 +19,15 @@ import re
 import pytest
 from conftest import tiny_config_dict
 
-from moe_offload.engines import llama_cpp as lc
+from moe_offload.engines import gguf_names, llama_cpp as lc
 from moe_offload.planning import planner
 from moe_offload.model import published
 from moe_offload.cli.main import main
 from moe_offload.errors import ConfigError
-from moe_offload.engines.export import engine_params, export, gib_value
+from moe_offload.engines.export import export
+from moe_offload.engines.vllm import engine_params, gib_value
 from moe_offload.model.inventory import inventory
-from moe_offload.tiny.make import FAMILIES
+from moe_offload.tiny.families import FAMILIES
 
 GiB = 1 << 30
 
@@ -84,7 +85,7 @@ def _arch_names(plan) -> set[str]:
     """Every tensor name the gguf package defines for the model's architecture and block count."""
     from gguf.constants import MODEL_TENSORS, TENSOR_NAMES
 
-    arch = lc.gguf_arch(plan.model_type)
+    arch = gguf_names.gguf_arch(plan.model_type)
     blocks = max(t.layer for t in plan.tensors if t.layer is not None) + 1
     return {TENSOR_NAMES[k].format(bid=b) for k in MODEL_TENSORS[arch] for b in range(blocks)}
 
@@ -92,7 +93,7 @@ def _arch_names(plan) -> set[str]:
 def test_every_tensor_of_every_family_has_its_gguf_name(inventories):
     for name, inv in inventories.items():
         plan = planner.plan(inv)
-        gg = lc.GgufNames(plan.tensors, plan.model_type)
+        gg = gguf_names.GgufNames(plan.tensors, plan.model_type)
         allowed = _arch_names(plan)
         for t in plan.tensors:
             if t.component != "language":
@@ -121,7 +122,7 @@ def _expected_host(plan) -> set[str]:
 def test_llama_cpp_patterns_select_exactly_the_planned_tensors(inventories):
     for name, label, plan in _cases(inventories):
         e = export(plan, "llama.cpp")
-        gg = lc.GgufNames(plan.tensors, plan.model_type)
+        gg = gguf_names.GgufNames(plan.tensors, plan.model_type)
         patterns = lc.overrides(list(e.args))
         for p in patterns:
             assert "," not in p and "=" not in p, p   # -ot splits its value on both
@@ -174,7 +175,7 @@ def test_llama_cpp_patterns_are_few_and_readable_on_published_models(tmp_path):
             assert len(ot) <= 2 and not ("--n-cpu-moe" in e.args and ot), (model, gb, e.args)
             assert ot or "--n-cpu-moe" in e.args or not plan.offloaded_bytes
             assert all(p.startswith(r"^blk\.") and "_exps" in p and p.endswith("=CPU") for p in ot), ot
-            gg = lc.GgufNames(plan.tensors, plan.model_type)
+            gg = gguf_names.GgufNames(plan.tensors, plan.model_type)
             names = {n: g.layouts[0] for n, g in gg.of.items() if g}
             chosen = lc.selected({x for xs in names.values() for x in xs}, patterns)
             want = _expected_host(plan)

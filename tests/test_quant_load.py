@@ -25,7 +25,7 @@ from fixtures_models import fresh_allocations, prompt_ids, run
 from moe_offload.planning.accounting import TokenBytes
 from moe_offload.errors import CheckpointError
 from moe_offload.planning.planner import GiB
-from moe_offload.formats.quant import quantize_fp8
+from moe_offload.formats.quant_codecs import quantize_fp8
 from moe_offload.run.quant_weights import Reader
 from moe_offload.tiny.make import make_tiny
 
@@ -217,7 +217,7 @@ def test_bench_reports_bytes_beside_bf16_for_the_same_placement(folders, family,
     """bench's bf16_link_bytes_per_token: the same placement and routing at 2 bytes per element. The issue's
     goal (FP8 <= 0.55x, MXFP4 <= 0.30x) for experts offloaded; the stored-size accounting of the same steps
     reproduces the measured figure exactly."""
-    from moe_offload.measure import bench
+    from moe_offload.measure import arms, bench, runtime_rows
 
     folder = folders[family]
     routed = sum(t.bytes for t in mo.plan(folder).tensors if t.role == "routed_expert")
@@ -225,13 +225,13 @@ def test_bench_reports_bytes_beside_bf16_for_the_same_placement(folders, family,
     tok = bench._load_tokenizer(folder)
     enc = tok(["The harbour master counted", "Seven ships left before the storm"], return_tensors="pt",
               padding=True)
-    runs = bench._measure(model, enc, 1, NEW_TOKENS, torch.device("cpu"), lambda _: None, lambda: None)
+    runs = runtime_rows.measure(model, enc, 1, NEW_TOKENS, torch.device("cpu"), lambda _: None, lambda: None)
     steps = sum(len(r.decode_link_bytes) for r in runs)
     measured = sum(sum(r.decode_link_bytes) for r in runs) / (steps * 2)
-    assert runs[0].decode_routing and measured == bench.link_bytes_from_routing(plan, runs, 2)
-    bf16 = bench.link_bytes_from_routing(plan, runs, 2, bf16=True)
+    assert runs[0].decode_routing and measured == runtime_rows.link_bytes_from_routing(plan, runs, 2)
+    bf16 = runtime_rows.link_bytes_from_routing(plan, runs, 2, bf16=True)
     assert 0 < measured <= goal * bf16
-    row = bench._row(bench.Arm("sparse-first", "sparse-first"), 2, runs, model, plan, prompts=["a", "b"],
+    row = runtime_rows.make_row(arms.Arm("sparse-first", "sparse-first"), 2, runs, model, plan, prompts=["a", "b"],
                      same_prompt=False, max_new_tokens=NEW_TOKENS, link_gbps=None, model_name="m", budget_label="b")
     assert row["link_bytes_per_token"] == measured and row["bf16_link_bytes_per_token"] == bf16
     assert row["offloaded_bytes"] == plan.offloaded_bytes == routed   # scales counted with their experts

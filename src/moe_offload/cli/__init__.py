@@ -1,3 +1,5 @@
-"""The command line: the parser and main's error mapping (main), what each command does (commands), the
-terminal tables (report). May import: everything.
+"""The command line: the parser and main's error mapping (main), what each command does (run_commands: the
+commands that run the model; plan_commands: those that plan without running it), what they share about
+their options (options: budget, model path, saved plans, output files), the terminal tables (report).
+May import: everything.
 """

@@ -14,8 +14,9 @@ import os
 import re
 import sys
 
-from .commands import cmd_bench, cmd_export, cmd_generate, cmd_make_tiny, cmd_plan, cmd_profile, cmd_replay
 from ..errors import MoeOffloadError
+from .plan_commands import cmd_export, cmd_make_tiny, cmd_plan, cmd_replay
+from .run_commands import cmd_bench, cmd_generate, cmd_profile
 
 
 class _Parser(argparse.ArgumentParser):
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     _budget_options(g)
+    g.add_argument("--plan", metavar="PLAN.json",
+                   help="load into this saved plan (`moe-offload plan MODEL --save PLAN.json`) instead of planning "
+                        "from the budget options, which are refused beside it")
     _runtime_options(g)
     g.add_argument("--json", action="store_true", help="print the result as one JSON document")
     g.set_defaults(func=cmd_generate)
@@ -115,8 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "sparse-first, frequency (expert by expert from --stats TRACE), explicit:SEG[+SEG...], "
                         "accelerate (transformers + accelerate device_map='auto' at the same budget; rest to disk) "
                         "(default: resident,declaration,sparse-first); "
-                        "the arms choose the policy and selectors, so bench takes no --policy / --offload-params")
+                        "the arms choose the policy and selectors, so bench takes no --policy / --offload-params; "
+                        "with --plan: plan (the saved plan, always measured) and resident beside it at most")
     _budget_options(b, policy_options=False)  # arms choose the policy; an explicit --policy is refused
+    b.add_argument("--plan", metavar="PLAN.json",
+                   help="measure this saved plan as the arm `plan` (settings read back as for every arm) instead of "
+                        "arms at a budget: budget options and placement arms are refused beside it")
     _runtime_options(b)
     b.add_argument("--concurrency", metavar="C,C",
                    help="sequences decoded together, one row per level (default 1,4)")
@@ -146,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="print the result as one JSON document")
     r.set_defaults(func=cmd_replay)
 
-    from ..engines.export import ENGINES
+    from ..engines.engine import ENGINES
 
     x = sub.add_parser("export", help="the command-line options that make vLLM, SGLang or llama.cpp apply the plan "
                                       "(or the closest placement they can)")
@@ -172,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(func=cmd_profile)
 
     t = sub.add_parser("make-tiny", help="write a small random-weight model folder")
-    from ..tiny.make import FAMILIES
+    from ..tiny.families import FAMILIES
 
     t.add_argument("dir", help="the folder to write (new, or empty)")
     t.add_argument("--family", required=True, metavar="F",

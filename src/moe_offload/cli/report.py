@@ -55,7 +55,10 @@ def tensors_table(plan: Plan) -> Table:
 def _tier_cell(t) -> str:
     if t.tier == "disk" and t.memory_ids:   # offloaded experts in two tiers
         return f"disk ({len(t.disk_ids)} of {t.shape[0]} experts; {len(t.memory_ids)} on the host)"
-    if t.host_expert_ids:   # frequency placement: any subset of the experts
+    if (t.host_expert_ids or t.host_experts) and t.shape[0] in (len(t.host_expert_ids), t.host_experts):
+        return t.tier   # every expert off the device: the tensor lies whole in its tier
+    if t.host_expert_ids and t.host_expert_ids != tuple(range(t.shape[0] - t.host_experts, t.shape[0])):
+        # any subset of the experts (frequency placement); the last ones are said so below
         ids = f": {','.join(map(str, t.host_expert_ids))}" if len(t.host_expert_ids) <= 8 else ""   # the JSON has all
         return f"{t.tier} ({t.host_experts} of {t.shape[0]} experts{ids})"
     if t.host_experts:

@@ -1,30 +1,22 @@
-"""A plan in llama.cpp's words: GGUF tensor names, `-ot REGEX=CPU` and `--n-cpu-moe N`.
-
-GGUF names come from the `gguf` package (llama.cpp's own Python package: MODEL_ARCH, MODEL_TENSORS,
-TENSOR_NAMES and its tensor-name map), never from a table written here. What `convert_hf_to_gguf.py`
-does in code rather than through that map is the little written below, each with its reason:
-
-- transformers 5 holds routed experts fused (`mlp.experts.gate_up_proj` [E, 2I, H]); the converter
-  writes them as `ffn_gate_exps` + `ffn_up_exps` (or, with `--fuse-gate-up-exps`, one `ffn_gate_up_exps`
-  where the architecture has that tensor), and `down_proj` as `ffn_down_exps`;
-- names are looked up as the checkpoint has them: transformers' own renamings are undone
-  (`mlp` -> `block_sparse_moe` for Mixtral, Granite's `router.layer`), a `language_model.` segment is
-  dropped (vision-language checkpoints), Qwen3-Next's `dt_bias` is its `dt_proj.bias`.
+"""A plan in llama.cpp's options: `-ot REGEX=CPU` and `--n-cpu-moe N` over GGUF tensor names (gguf_names.py).
 
 llama.cpp matches every `-ot` pattern with `std::regex_search` (ECMAScript) against each tensor name
 and keeps the first pattern that matches (src/llama-model-loader.cpp). The patterns built here are
 anchored with `^` and end at a `.`, so search semantics select exactly the names they spell out; they
-use only `^ \\. ( | ) [0-9]`, on which Python's `re.search` and ECMAScript agree.
+use only `^ \\. ( | ) [0-9]`, on which Python's `re.search` and ECMAScript agree. llama.cpp builds its
+input embedding in host memory whatever the options, and places tensors whole: an expert tensor cannot
+be split.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from ..errors import ConfigError
 from ..model.inventory import layer_of
+from ..planning.placement import Plan
+from .engine import OFFLOADED
+from .gguf_names import GgufNames, GgufTensor
 
 # llama.cpp's regex for the expert tensors of a block (common/common.h LLM_FFN_EXPS_REGEX): `--n-cpu-moe N`
 # adds `blk\.{i}` + this for every i < N, `--cpu-moe` adds it alone.
@@ -33,132 +25,59 @@ FFN_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
 # tensors back to the CPU. Giving it also turns off the automatic fitting (--fit) of llama.cpp builds that have it.
 ALL_LAYERS = "999"
 
-# Hugging Face families that convert_hf_to_gguf.py registers under another GGUF architecture: Mixtral converts
-# as a Llama, DeepSeek-V3 (and configs built as it, such as Kimi-K2) as DeepSeek-V2's MLA architecture.
-_ARCH_OF = {"mixtral": "llama", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "kimi_k2": "deepseek2"}
+
+# ---------------------------------------------------------------------------------------
+# The options for a plan
 
 
-def _squash(name: str) -> str:
-    return name.lower().replace("_", "").replace("-", "")
-
-
-def gguf_arch(model_type: str):
-    """gguf's MODEL_ARCH for a transformers model_type; ConfigError when llama.cpp has none."""
-    import gguf
-    from gguf.constants import MODEL_ARCH_NAMES
-
-    want = _squash(_ARCH_OF.get(model_type, model_type))
-    for arch, name in MODEL_ARCH_NAMES.items():
-        if _squash(name) == want:
-            return arch
-    version = getattr(gguf, "__version__", "installed")
-    raise ConfigError(f"llama.cpp export: the gguf package ({version}) has no architecture for model type "
-                      f"{model_type!r}, so llama.cpp cannot load a GGUF of it and has no tensor names to target; "
-                      "upgrade gguf (`pip install -U gguf`) if llama.cpp gained it, or export for --engine vllm "
-                      "or sglang")
-
-
-@dataclass(frozen=True)
-class GgufTensor:
-    """The GGUF tensors one in-memory tensor becomes. `layouts[0]` is what the converter writes by default;
-    a second layout is its other spelling (fused gate/up experts, MLA's split kv_b)."""
-
-    layouts: tuple[tuple[str, ...], ...]
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(n for layout in self.layouts for n in layout))
-
-
-class GgufNames:
-    """In-memory tensor name -> GgufTensor (None: not in the model's GGUF, or no name llama.cpp gives it)."""
-
-    def __init__(self, tensors: Sequence, model_type: str):
-        from gguf.constants import MODEL_TENSORS
-        from gguf.tensor_mapping import get_tensor_name_map
-
-        self.arch = gguf_arch(model_type)
-        self._kinds = MODEL_TENSORS[self.arch]
-        blocks = max((t.layer for t in tensors if t.layer is not None), default=-1) + 1
-        self._map = get_tensor_name_map(self.arch, blocks)
-        self._undo = checkpoint_renamings(model_type)
-        self.of: dict[str, GgufTensor | None] = {
-            t.name: (self._lookup(t) if t.component == "language" else None) for t in tensors}
-
-    def _fmt(self, kind, layer: int | None, suffix: str) -> str | None:
-        from gguf.constants import TENSOR_NAMES
-
-        if kind is None or kind not in self._kinds:
-            return None
-        return f"{TENSOR_NAMES[kind].format(bid=layer)}.{suffix}"
-
-    def _lookup(self, t) -> GgufTensor | None:
-        from gguf.constants import MODEL_TENSOR
-
-        key, suffix = _key_and_suffix(t.name)
-        last = key.rpartition(".")[2]
-        if t.role == "routed_expert" and key.endswith((".experts.gate_up_proj", ".experts.down_proj")):
-            if last == "down_proj":
-                down = self._fmt(MODEL_TENSOR.FFN_DOWN_EXP, t.layer, suffix)
-                return GgufTensor(((down,),)) if down else None
-            gate, up = (self._fmt(k, t.layer, suffix) for k in (MODEL_TENSOR.FFN_GATE_EXP, MODEL_TENSOR.FFN_UP_EXP))
-            fused = self._fmt(getattr(MODEL_TENSOR, "FFN_GATE_UP_EXP", None), t.layer, suffix)
-            layouts = tuple(x for x in ((gate, up) if gate and up else None, (fused,) if fused else None) if x)
-            return GgufTensor(layouts) if layouts else None
-        for candidate in self._candidates(t.name):
-            key, suffix = _key_and_suffix(candidate)
-            found = self._map.get_type_and_name(key)
-            if found is None:
-                continue
-            kind, base = found
-            layouts = [(f"{base}.{suffix}",)]
-            if kind == MODEL_TENSOR.ATTN_KV_B:   # MLA: newer converters split kv_b into k_b and v_b
-                split = tuple(self._fmt(k, t.layer, suffix) for k in (MODEL_TENSOR.ATTN_K_B, MODEL_TENSOR.ATTN_V_B))
-                if all(split):
-                    layouts.append(split)
-            return GgufTensor(tuple(layouts))
-        return None
-
-    def _candidates(self, name: str) -> list[str]:
-        """The tensor's name as the converter sees it: the checkpoint's (transformers' renamings undone),
-        then the in-memory one."""
-        undone = name
-        for target, source in self._undo:
-            undone = undone.replace(target, source)
-        out = []
-        for n in (undone, name):
-            n = re.sub(r"(^|\.)language_model\.", r"\1", n)   # the converter drops it for VL checkpoints
-            out.append(re.sub(r"\.dt_bias$", ".dt_proj.bias", n))   # Qwen3-Next: dt_bias is dt_proj's bias to it
-        return list(dict.fromkeys(out))
-
-
-def _key_and_suffix(name: str) -> tuple[str, str]:
-    """`...q_proj.weight` -> (`...q_proj`, weight); fused parameters (`experts.down_proj`) are weights, and
-    `X_bias` (gpt-oss `gate_up_proj_bias`, `dt_bias`) is the bias of X."""
-    base, _, last = name.rpartition(".")
-    if last in ("weight", "bias"):
-        return base, last
-    if last.endswith("_bias"):
-        return f"{base}.{last[:-len('_bias')]}" if base else last[:-len("_bias")], "bias"
-    return name, "weight"
-
-
-def checkpoint_renamings(model_type: str) -> tuple[tuple[str, str], ...]:
-    """transformers' checkpoint -> in-memory renamings for the family, reversed: (in-memory text, checkpoint text).
-
-    Only plain renamings are undone (regex sources that are literal once `\\.` is read as `.`); the fused
-    experts are handled by kind above."""
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming
-
-    pairs = []
-    for t in get_checkpoint_conversion_mapping(model_type) or ():
-        if not isinstance(t, WeightRenaming) or len(t.source_patterns) != 1 or len(t.target_patterns) != 1:
-            continue
-        source = t.source_patterns[0].replace("\\.", ".")
-        if not re.search(r"[\\^$*+?()\[\]{}|]", source):
-            pairs.append((t.target_patterns[0], source))
-    return tuple(reversed(pairs))
+def llama_cpp_options(plan: Plan) -> tuple[list[str], set[str], list[str]]:
+    """llama.cpp's options for `plan`: (args, the in-memory tensors they send to host memory, notes)."""
+    gg = GgufNames(plan.tensors, plan.model_type)
+    by_name = {t.name: t for t in plan.tensors}
+    planned = {t.name for t in plan.tensors if t.tier in OFFLOADED}
+    # llama.cpp builds the input embedding in host memory whatever the options (it never offloads its input
+    # layer). A table tied to the output head is the head too: that copy follows -ngl and -ot.
+    embed = {n for n, g in gg.of.items() if g and "token_embd.weight" in g.names and by_name[n].role == "embedding"}
+    tied = {n for n, g in gg.of.items() if g and "token_embd.weight" in g.names} - embed
+    universe = {n: g for n, g in gg.of.items() if by_name[n].component == "language" and n not in embed}
+    patterns, unnamed = patterns_for(planned & set(universe), universe, {n: by_name[n].layer for n in universe})
+    gguf = {name: g.layouts[0] for name, g in universe.items() if g is not None}
+    names = {x for layout in gguf.values() for x in layout}
+    chosen = selected(names, patterns)
+    args, notes = ["-ngl", ALL_LAYERS], []
+    n = max((block_of(x) for x in chosen if block_of(x) is not None), default=-1) + 1
+    first_n = selected({x for x in names if block_of(x) is not None and block_of(x) < n}, [FFN_EXPS_REGEX])
+    if chosen and chosen == first_n:
+        args += ["--n-cpu-moe", str(n)]
+        notes.append(f"--n-cpu-moe {n} sends exactly the routed experts of the first {n} layers to the CPU")
+    else:
+        args += [item for p in patterns for item in ("-ot", f"{p}=CPU")]
+    # What those options do, by llama.cpp's rule; a tensor without a GGUF name goes with its block's pattern.
+    sent = selected(names, overrides(args))
+    host = {name for name, layout in gguf.items() if set(layout) <= sent}
+    assert not any(set(layout) & sent for name, layout in gguf.items() if name not in host)   # tensors go whole
+    host |= embed | (planned & {n for n, g in universe.items() if g is None}) - unnamed
+    towers = {t.name for t in plan.tensors if t.component != "language"}
+    if planned & towers:
+        # The towers are the separate --mmproj GGUF, which llama.cpp places as one piece.
+        args.append("--no-mmproj-offload")
+        host |= towers
+        if not towers <= planned:
+            notes.append("llama.cpp places the vision/audio tower (the --mmproj file) as one piece: all of it goes "
+                         "to host memory")
+    if embed - planned:
+        notes.append("llama.cpp keeps the input embedding (token_embd.weight) in host memory whatever the options; "
+                     "a token reads one row of it there")
+    if tied - planned:
+        notes.append("the output head shares the input embedding's table (tied): llama.cpp keeps it on the GPU as "
+                     "planned and reads the input rows from a second copy in host memory")
+    if unnamed:
+        notes.append(f"{len(unnamed)} offloaded tensors have no GGUF name from llama.cpp's converter "
+                     f"({', '.join(sorted(unnamed)[:3])}) and share a layer with resident ones: they stay on the GPU")
+    notes.append("MODEL.gguf: the model converted by llama.cpp's convert_hf_to_gguf.py. -ngl 999 puts everything "
+                 "else on the GPU (and so turns off --fit); llama.cpp computes with CPU-resident weights on the CPU "
+                 "at decode, so the link bytes here are bytes read from host memory")
+    return args, host, notes
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The `accelerate` bench arm: the peer users reach for first, measured by bench's own instrument.
+"""The `accelerate` bench arm: the peer users reach for first, measured by bench's own instrument (timing.py).
 
 `transformers` `from_pretrained(folder, device_map="auto", max_memory=..., offload_folder=...)`: accelerate
 places whole modules (decoder layers are never split) in module order, device first, then host memory,
@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 
 from ..errors import MoeOffloadError
+from . import timing   # timing.greedy looked up at each run: one instrument (or a stand-in) for every arm
+from .timing import batch_prompts, measured_link_bytes, peak_rss_bytes, reset_peak_rss, timing_fields
 
 __all__ = ["max_memory_for", "AccelerateArm", "DISK_MEASUREMENT"]
 
@@ -97,7 +99,7 @@ class AccelerateArm:
              host_memory_bytes: int | None = None, offload_root: str | os.PathLike | None = None) -> "AccelerateArm":
         import transformers
 
-        from ..model.inventory import DTYPE_NAMES, read_config
+        from ..model.config import DTYPE_NAMES, read_config
 
         if _read_bytes() is None:
             raise MoeOffloadError("the accelerate arm measures disk reads with /proc/self/io, which this system "
@@ -228,30 +230,6 @@ class AccelerateArm:
         shutil.rmtree(self.offload_dir, ignore_errors=True)
 
 
-# --- peak resident memory ---------------------------------------------------------------------
-
-def reset_peak_rss() -> bool:
-    """Restart the kernel's peak-RSS record (VmHWM) of this process; False where it cannot (not Linux)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_bytes() -> int | None:
-    """Peak resident memory (anonymous + file-backed pages) since the last `reset_peak_rss`, or None."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 # --- the bench rows -------------------------------------------------------------------------------
 
 MECHANISM = ("accelerate AlignDevicesHook: every weight of an offloaded module is loaded at each of its forwards "
@@ -261,18 +239,16 @@ MECHANISM = ("accelerate AlignDevicesHook: every weight of an offloaded module i
 def bench_rows(folder, plan, device: torch.device, *, dtype, tokenizer, levels, prompts, same_prompt: bool,
                runs: int, max_new_tokens: int, link_gbps, budget_label: str, describe, advance) -> list[dict]:
     """bench's rows for the accelerate arm: loaded once at the budget of `plan`, then per concurrency level one
-    warm-up run (discarded) and `runs` measured runs of bench's own greedy loop (`bench._greedy`)."""
+    warm-up run (discarded) and `runs` measured runs of bench's own greedy loop (`timing.greedy`)."""
     import gc
     import math
-
-    from .bench import _batch_prompts, _greedy, measured_link_bytes, timing_fields
 
     tracked = reset_peak_rss()
     arm = AccelerateArm.load(folder, plan, device, dtype=dtype)
     rows = []
     try:
         for c in levels:
-            batch = _batch_prompts(prompts, c, same_prompt)
+            batch = batch_prompts(prompts, c, same_prompt)
             enc = tokenizer(batch, return_tensors="pt", padding=True).to(device)
             arm.runs = []
             measured = []
@@ -280,7 +256,7 @@ def bench_rows(folder, plan, device: torch.device, *, dtype, tokenizer, levels, 
                 for i in range(runs + 1):
                     describe(f"c={c} " + ("warm-up" if i == 0 else f"run {i}/{runs}"))
                     arm.reset()
-                    run = _greedy(arm.model, enc, max_new_tokens, device, meter=arm)
+                    run = timing.greedy(arm.model, enc, max_new_tokens, device, meter=arm)
                     if i > 0:
                         measured.append(run)
                     advance()

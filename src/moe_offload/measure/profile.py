@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from ..errors import MoeOffloadError
-from ..run.experts import RoutedCall
+from ..run.state import RoutedCall
 from ..planning.planner import Plan
 from ..formats.traces import Phase, TraceHeader, TraceRow, TraceWriter, read_trace, skew_summary
 

@@ -1,0 +1,134 @@
+"""The commands that plan without running the model: plan, replay, export, and make-tiny, which writes a
+model to plan and run (main.py builds the parser and maps user errors to one `error:` line and exit status 2).
+
+Human output goes to the terminal; `--json` prints one JSON document on stdout and nothing else there.
+Every check of the user's input happens before any file is written, and nothing is left half-written on error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import MoeOffloadError
+from .options import budget_kwargs, cpu_only_device, model_path, read_plan_of, routing_stats, write_atomic
+
+
+def cmd_plan(args) -> int:
+    from ..api import plan as make_plan
+    from .report import print_plan
+
+    p = make_plan(model_path(args.model), dtype=args.dtype, batch=args.batch,
+                  **budget_kwargs(args, cpu_only=cpu_only_device(args.device)))
+    if args.save:
+        write_atomic(Path(args.save), p.to_json(indent=1))
+    if args.json:
+        print(p.to_json())
+    else:
+        if args.tensors:
+            from rich.console import Console
+
+            from .report import tensors_table
+
+            Console().print(tensors_table(p))
+        print_plan(p)
+        if args.save:
+            print(f"plan saved to {args.save}")
+    return 0
+
+
+def cmd_replay(args) -> int:
+    from ..planning import planner
+    from ..planning.frequency import routed_layers
+    from ..model.inventory import inventory
+    from ..planning.planner import format_bytes
+    from ..routing.replay import replay
+    from ..formats.traces import check_trace_matches, expert_counts, read_trace
+
+    path = model_path(args.model)
+    trace = read_trace(args.trace)
+    budget = dict(offload_gb=args.offload_gb, device_memory_gb=args.device_memory, reserve_gb=args.reserve_gb,
+                  host_memory_gb=args.host_memory)
+    if args.plan:
+        plan = read_plan_of(args, path, also=(("--device", args.device),))
+    else:
+        inv = inventory(path, dtype=args.dtype)
+        layers = routed_layers(inv)
+
+        def check(t):
+            check_trace_matches(t, num_experts=inv.num_experts, layers=layers, where=f"the {inv.model_type} model "
+                                f"{path}")
+
+        check(trace)
+        policy, stats = args.policy, routing_stats(args.stats, check)
+        if policy == "oracle":
+            if args.stats:
+                raise MoeOffloadError("--policy oracle takes its statistics from --trace itself: drop --stats, or "
+                                      "use --policy frequency --stats TRACE")
+            policy, stats = "frequency", expert_counts(trace)
+        plan = planner.plan(inv, policy=policy, offload_params=args.offload_params, stats=stats,
+                            cpu_only=cpu_only_device(args.device), **budget)
+    result = replay(plan, trace, cache_gb=args.cache_gb, cache_policy=args.cache_policy,
+                    policy="oracle" if args.policy == "oracle" else None)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0
+    cache = (f"{result.cache_policy} cache of {format_bytes(result.cache_bytes)}: {result.cache_hits} hits, "
+             f"{result.cache_misses} misses" if result.cache_policy else "no cache")
+    print(f"{result.tokens} decode tokens of {args.trace} under {result.policy} "
+          f"({format_bytes(result.offloaded_bytes)} offloaded), {cache}")
+    print(f"link bytes per decoded token: {format_bytes(result.link_bytes_per_token)} "
+          f"({result.expert_reads} expert reads over the link; the plan expected "
+          f"{format_bytes(plan.link_bytes_per_token(1))} per token)")
+    if plan.disk_bytes:
+        print(f"of which from host memory {format_bytes(result.host_link_bytes_per_token)}, from disk "
+              f"{format_bytes(result.disk_read_bytes_per_token)} per token")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from ..api import plan as make_plan
+    from ..engines.engine import LABELS
+    from ..engines.export import export
+    from ..model.config import read_config
+    from ..planning.planner import format_bytes
+
+    path = model_path(args.model)
+    config = read_config(path)
+    if args.plan:
+        plan = read_plan_of(args, path, also=(("--batch", args.batch),))
+    else:
+        plan = make_plan(path, dtype=args.dtype, batch=args.batch or 1, **budget_kwargs(args))
+    text = getattr(config, "text_config", None) or config
+    result = export(plan, args.engine, device_memory_gb=args.device_memory, reserve_gb=args.reserve_gb,
+                    max_position_embeddings=getattr(text, "max_position_embeddings", None))
+    model = str(path.parent if path.is_file() else path)
+    if args.json:
+        print(json.dumps(result.to_dict(model)))
+        return 0
+    print(result.command(model))
+    for note in result.notes:
+        print(f"- {note}")
+    what = "the plan exactly" if result.expressible else f"the closest placement {LABELS[result.engine]} can apply"
+    print(f"-- {what}: "
+          f"{format_bytes(result.link_bytes_per_token)} over the link per decoded token, "
+          f"{format_bytes(result.placement.offloaded_bytes)} offloaded (the plan: "
+          f"{format_bytes(plan.link_bytes_per_token())}, {format_bytes(plan.offloaded_bytes)})")
+    return 0
+
+
+def cmd_make_tiny(args) -> int:
+    from ..tiny.make import make_tiny
+
+    try:
+        out = make_tiny(args.dir, family=args.family, layers=args.layers, experts=args.experts, top_k=args.top_k,
+                        hidden=args.hidden, seed=args.seed, dtype=args.dtype, quant=args.quant)
+    except ValueError as exc:
+        raise MoeOffloadError(str(exc)) from exc
+    except OSError as exc:
+        if exc.errno is None:  # make_tiny's own refusal (target checked before building): its message says it all
+            raise MoeOffloadError(str(exc)) from exc
+        raise MoeOffloadError(f"cannot write a tiny model to {args.dir}: {exc.strerror} ({exc.filename}); "
+                              "choose a new or empty directory you can write to") from exc
+    print(f"wrote a tiny {args.family} model to {out}")
+    return 0

@@ -1,0 +1,123 @@
+"""The rows of the arms that run on moe_offload's runtime: each batch measured (one warm-up run discarded,
+then the measured runs, each started with an empty device cache), and the row made of those runs, the
+runtime's counters and the settings read back from the model (readback.py).
+
+Link traffic is what the runtime's LinkCounter counted during the decode steps (prefill excluded), never
+derived from model size (DESIGN.md rule 6). `bf16_link_bytes_per_token` is what the same placement would have
+read with every offloaded tensor at 2 bytes per element, from the measured runs' own routing (recorded only
+where some offloaded tensor is not 2 bytes per element).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+import torch
+
+from . import timing   # timing.greedy looked up at each run: one instrument (or a stand-in) for every arm
+from .arms import Arm
+from .readback import applied_settings, device_resident_bytes
+from .timing import Run, measured_link_bytes, timing_fields
+
+
+def measure(model, enc, runs: int, max_new_tokens: int, device: torch.device, describe, advance) -> list[Run]:
+    """One warm-up run (discarded), then `runs` measured runs of the same batch."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    measured = []
+    with torch.no_grad():
+        for i in range(runs + 1):
+            describe("warm-up" if i == 0 else f"run {i}/{runs}")
+            model.moe_offload_runtime.counter.reset()
+            if i <= 1:   # the disk counter keeps every measured run (the warm-up's steps dropped)
+                model.moe_offload_runtime.disk_counter.reset()
+            cache = model.moe_offload_runtime.cache
+            if cache is not None:
+                cache.reset()
+            rt, calls = model.moe_offload_runtime, []
+            record = i > 0 and needs_routing(rt.plan)
+            if record:   # the routing of the measured runs, for bf16_link_bytes_per_token
+                rt.recorder = calls.append
+            try:
+                run = timing.greedy(model, enc, max_new_tokens, device)
+            finally:
+                if record:
+                    rt.recorder = None
+            run.decode_routing = calls[1:]              # the first call is the prefill
+            if cache is not None:
+                run.cache_hits, run.cache_misses = cache.policy.hits, cache.policy.misses
+            if i > 0:
+                measured.append(run)
+            advance()
+    return measured
+
+
+def needs_routing(plan) -> bool:
+    """Whether some offloaded tensor is not 2 bytes per element (quantized, fp32): only then does the bf16
+    figure differ from the measured one and need the routing."""
+    return any(t.tier != "device" and t.bytes != 2 * t.numel for t in plan.tensors)
+
+
+def link_bytes_from_routing(plan, runs: Sequence[Run], c: int, *, bf16: bool = False) -> float:
+    """Bytes per decoded token of the runs' recorded decode steps, accounted as accounting.py defines them
+    for this placement: each step reads every offloaded dense tensor, the distinct offloaded experts its c
+    tokens picked and the distinct embedding rows of its input. Stored bytes, this is the measured figure
+    (a test checks it); `bf16`: with every offloaded tensor at 2 bytes per element, what the same placement
+    would have read in bf16. A device cache's hits are not taken off (the bf16 experts would fill it
+    differently)."""
+    from ..planning.accounting import TokenBytes
+
+    tensors = [replace(t, bytes=2 * t.numel) if bf16 else t for t in plan.tensors]
+    embed = [t for t in tensors if t.role == "embedding" and t.tier != "device" and t.component == "language"]
+    tb = TokenBytes.of([t for t in tensors if t not in embed])
+    row = sum(t.bytes // t.shape[0] for t in embed)
+    total = steps = 0
+    for r in runs:
+        for j, call in enumerate(r.decode_routing):
+            picked = {layer: torch.unique(ids).tolist() for layer, ids in call.experts.items() if layer in tb.layers}
+            host, disk = tb.bytes_for_token(picked)
+            total += host + disk + row * torch.unique(r.token_ids[:, j]).numel()   # step j's input tokens
+            steps += 1
+    return total / (steps * c)
+
+
+def make_row(arm: Arm, c: int, runs: list[Run], model, plan, *, prompts: list[str], same_prompt: bool,
+              max_new_tokens: int, link_gbps: float | None, model_name: str, budget_label: str) -> dict:
+    rt = model.moe_offload_runtime
+    link = measured_link_bytes(c, runs)
+    if rt.device.type == "cuda":
+        device_bytes = torch.cuda.max_memory_allocated(rt.device)
+    else:
+        device_bytes = device_resident_bytes(model)
+    settings = applied_settings(model, plan, resident=arm.policy is None)
+    bf16_link = link_bytes_from_routing(plan, runs, c, bf16=True) if any(r.decode_routing for r in runs) else link
+    row = {
+        **timing_fields(arm.name, c, runs, max_new_tokens),
+        "offloaded_bytes": sum(settings["host_bytes_by_role"].values()),   # read back from the arena
+        "link_bytes_per_token": link,
+        # of which read from the checkpoint by the disk tier (disk_tier.py), the rest over the host link
+        "disk_read_bytes_per_token": rt.disk_counter.decode_bytes_per_token(c),
+        "host_link_bytes_per_token": link - rt.disk_counter.decode_bytes_per_token(c),
+        "disk_staging_bytes": rt.disk.staging_bytes if rt.disk is not None else 0,
+        "planned_link_bytes_per_token": plan.link_bytes_per_token(c),
+        # the same placement and routing with every offloaded tensor at 2 bytes per element (quantized: what
+        # bf16 would have read); the measured figure itself when nothing offloaded differs from 2 bytes
+        "bf16_link_bytes_per_token": bf16_link,
+        "cache_policy": None if rt.cache is None else rt.cache.policy_name,
+        "cache_bytes": 0 if rt.cache is None else rt.cache.capacity_bytes,
+        "cache_hits": sum(r.cache_hits for r in runs),       # over the measured runs' decode steps
+        "cache_misses": sum(r.cache_misses for r in runs),
+        "host_bytes": rt.host_bytes,
+        "device_bytes": int(device_bytes),
+        "same_prompt": same_prompt,
+        "prompts": prompts,
+        "mechanism": rt.mechanism,
+        "model": model_name,
+        "model_type": plan.model_type,
+        "budget": budget_label,
+        "settings": settings,
+    }
+    if link_gbps:
+        row["link_ms_per_token"] = link / (link_gbps * 1e9) * 1e3
+    return row

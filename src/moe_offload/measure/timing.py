@@ -1,0 +1,175 @@
+"""The instrument every bench arm is timed and metered by: one greedy run, timed token by token.
+
+    prefill (use_cache) -> token 1          TTFT = prefill + first token
+    one forward per later token             ITL  = time between consecutive tokens
+
+always exactly `max_new_tokens` tokens (EOS ignored). A *meter* gives each decode step's link bytes: the
+runtime's own counters for moe_offload's arms, accelerate_arm.AccelerateArm for the peer. From the runs
+come the timing columns of a row (percentiles of the ITL samples, throughput, spread) and the measured
+link bytes per token, one definition for every arm. Also here: the prompts of a batch, and the process's
+peak resident memory (RSS), which every arm reports.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+
+def batch_prompts(prompts: Sequence[str], c: int, same_prompt: bool) -> list[str]:
+    if same_prompt:
+        return [prompts[0]] * c
+    return list(prompts[:c])
+
+
+# --- one run -----------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    ttft_s: float
+    itl_s: list[float]              # one per decode step (max_new_tokens - 1)
+    wall_s: float                   # prefill start -> last token
+    decode_link_bytes: list[int]    # LinkCounter bytes of each decode step
+    token_ids: torch.Tensor         # [c, max_new_tokens]
+    cache_hits: int = 0             # device cache accesses of the run's decode steps (0 without a cache)
+    cache_misses: int = 0
+    # experts.RoutedCall of each decode step, recorded only where a bf16 comparison needs it
+    # (runtime_rows.needs_routing)
+    decode_routing: list = field(default_factory=list)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type != "cpu" and hasattr(torch, "accelerator"):
+        torch.accelerator.synchronize()
+
+
+def _forward_keywords(model) -> tuple[str, bool, bool]:
+    """(cache keyword, takes position_ids, takes logits_to_keep) of this model's forward."""
+    params = inspect.signature(type(model).forward).parameters
+    cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.2x renamed it
+    return cache_kw, "position_ids" in params, "logits_to_keep" in params
+
+
+class _RuntimeMeter:
+    """Link bytes of each forward as moe_offload's runtime counted them (the `meter` of `greedy`; the
+    accelerate arm has its own, accelerate_arm.AccelerateArm)."""
+
+    def __init__(self, model):
+        self.counter = model.moe_offload_runtime.counter
+        self.disk = model.moe_offload_runtime.disk_counter
+
+    def before_step(self) -> None:
+        pass
+
+    def step(self) -> int:
+        # this forward's bytes from the host tier and the disk tier (disk_tier.py)
+        return self.counter.calls[-1][1] + self.disk.calls[-1][1]
+
+
+def greedy(model, enc, max_new_tokens: int, device: torch.device, meter=None) -> Run:
+    """Greedy decoding, one timed forward per token; exactly max_new_tokens tokens (EOS ignored).
+
+    `meter.before_step()` runs before each forward outside the timed interval, `meter.step()` after it
+    gives that forward's link bytes (default: the runtime's LinkCounter)."""
+    meter = meter or _RuntimeMeter(model)
+    cache_kw, takes_pos, takes_keep = _forward_keywords(model)
+    ids, mask = enc["input_ids"], enc["attention_mask"]       # ids, mask: [c, P], left-padded
+    extra = {"logits_to_keep": 1} if takes_keep else {}
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)            # [c, P] positions as generate() gives them
+    meter.before_step()
+    _sync(device)
+    start = time.perf_counter()
+    out = model(input_ids=ids, attention_mask=mask, use_cache=True, **extra,
+                **({"position_ids": pos} if takes_pos else {}))
+    nxt = out.logits[:, -1].argmax(-1, keepdim=True)           # [c, 1]
+    _sync(device)
+    last = time.perf_counter()
+    ttft = last - start
+    tokens, itl, link = [nxt], [], []
+    cache = getattr(out, cache_kw, None)
+    assert cache is not None, f"{type(model).__name__} returned no cache with use_cache=True"
+    for _ in range(max_new_tokens - 1):
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)   # [c, P + t]
+        pos = pos[:, -1:] + 1                                              # [c, 1]
+        paused = time.perf_counter()
+        meter.before_step()
+        last += time.perf_counter() - paused                               # not part of the step
+        out = model(input_ids=nxt, attention_mask=mask, use_cache=True, **{cache_kw: cache}, **extra,
+                    **({"position_ids": pos} if takes_pos else {}))
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        _sync(device)
+        now = time.perf_counter()
+        itl.append(now - last)
+        last = now
+        link.append(meter.step())
+        cache = getattr(out, cache_kw, None)
+        tokens.append(nxt)
+    return Run(ttft, itl, last - start, link, torch.cat(tokens, dim=1).cpu())
+
+
+# --- statistics ----------------------------------------------------------------------------
+
+def _percentile(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def timing_fields(arm_name: str, c: int, runs: list[Run], max_new_tokens: int) -> dict:
+    """The timing columns of a row, one definition for every arm (see the README's metric definitions)."""
+    itl = [s for r in runs for s in r.itl_s]
+    itl_p50 = _percentile(itl, 50)
+    per_run_wall = [c * max_new_tokens / r.wall_s for r in runs]
+    return {
+        "arm": arm_name,
+        "concurrency": c,
+        "runs": len(runs),
+        "max_new_tokens": max_new_tokens,
+        "itl_samples": len(itl),
+        "itl_p50_ms": itl_p50 * 1e3,
+        "itl_p90_ms": _percentile(itl, 90) * 1e3,
+        "tok_s_itl": c / itl_p50,
+        "tok_s_wall": c * max_new_tokens * len(runs) / sum(r.wall_s for r in runs),
+        "ttft_ms": statistics.median(r.ttft_s for r in runs) * 1e3,
+        "spread_pct": (max(per_run_wall) - min(per_run_wall)) / statistics.median(per_run_wall) * 100,
+    }
+
+
+def measured_link_bytes(c: int, runs: list[Run]) -> float:
+    """Mean bytes read from the offload tiers per decoded token over the measured runs' decode steps."""
+    steps = sum(len(r.decode_link_bytes) for r in runs)
+    return sum(sum(r.decode_link_bytes) for r in runs) / (steps * c)
+
+
+# --- peak resident memory ---------------------------------------------------------------------
+
+def reset_peak_rss() -> bool:
+    """Restart the kernel's peak-RSS record (VmHWM) of this process; False where it cannot (not Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int | None:
+    """Peak resident memory (anonymous + file-backed pages) since the last `reset_peak_rss`, or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
