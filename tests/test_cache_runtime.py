@@ -210,7 +210,7 @@ def test_a_cache_smaller_than_one_expert_is_refused_before_loading(models, plans
 
     folder = models["qwen3_moe"]
     plan = mo.plan(folder, **budgets(plans0("qwen3_moe"))["sparse-first"])
-    monkeypatch.setattr(loader, "_stream_checkpoint", lambda *a: pytest.fail("weights were read"))
+    monkeypatch.setattr(loader, "stream_checkpoint", lambda *a: pytest.fail("weights were read"))
     with pytest.raises(BudgetError, match=r"cannot hold one expert: expert 0 of layer 0 has 18432 offloaded bytes"):
         _load(folder, 18431, plan=plan)
 

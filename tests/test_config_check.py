@@ -21,7 +21,7 @@ import moe_offload as mo
 from moe_offload.cli import main as cli
 from moe_offload.model import config_check, inventory, published
 from moe_offload.errors import ConfigError
-from moe_offload.tiny.make import FAMILIES
+from moe_offload.tiny.families import FAMILIES
 
 from conftest import tiny_config_dict
 

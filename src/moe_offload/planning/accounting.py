@@ -58,8 +58,9 @@ class TensorLike(Protocol):
 def expert_ids_by_tier(t: TensorLike) -> dict[str, tuple[int, ...]]:
     """{tier: the expert ids of routed tensor t that lie there}, for the offloaded tiers holding any of them.
 
-    host_ids are the experts off the device (all E for a tensor that went whole), in the tensor's tier; a disk
-    tensor's disk_expert_ids, when given, are the part of them on disk and the rest are in host memory."""
+    host_ids are the experts of a split tensor off the device (none: all E, a tensor that went whole), in the
+    tensor's tier; a disk tensor's disk_expert_ids, when given, are the part of them on disk and the rest are in
+    host memory."""
     if t.tier not in (HOST, DISK) or t.role != _ROUTED or not t.experts:
         return {}
     off = tuple(t.host_ids) or tuple(range(t.experts))

@@ -21,8 +21,9 @@ from typing import Mapping, Sequence
 from ..errors import SelectorError
 from ..model.inventory import Inventory
 from .placement import Plan, PlannedTensor, Policy, Tier
-from .planner import _experts_of, _notes, _reason
 from ..model.roles import Role, assign
+from .density import is_dense, record_density, record_expert_axis
+from .reasons import offload_notes, offload_reason
 from .tiers import Unit, cut_to_disk, disk_reason, fill
 
 # Smoothing of routing statistics: every expert counts FREQUENCY_PSEUDOCOUNT picks more than it was seen, so an
@@ -71,17 +72,21 @@ def _check_stats(stats: Mapping[int, Sequence[float]], inv: Inventory, layers: t
 
 
 def plan_frequency(inv: Inventory, roles: Sequence[Role], stats: Mapping[int, Sequence[float]], target: int,
-                    batch: int, notes: list[str], density, dense, room: int | None = None,
-                    room_label: str = "the host tier") -> Plan:
+                   batch: int, notes: list[str], room: int | None = None,
+                   room_label: str = "the host tier") -> Plan:
     """Expert-granular placement: each expert of each layer is a unit, ranked by its pick probability.
     room: the host tier's bytes (None: unbounded); what left the device beyond it goes to disk."""
     records, e, k = inv.records, inv.num_experts, inv.top_k
+
+    def density(i: int) -> float:   # a whole tensor's, as under sparse-first (density.py)
+        return record_density(records[i], roles[i], inv, batch)
+
     layers = routed_layers(inv, roles)
     _check_stats(stats, inv, layers)
     p = {layer: expert_densities(list(stats[layer]), k) for layer in layers}
     fused: dict[int, list[int]] = {}   # layer -> its fused [E, ...] expert tensors: one expert reads all their slices
     for i, (r, role) in enumerate(zip(records, roles)):
-        if r.layer is not None and _experts_of(r, role, inv):
+        if r.layer is not None and record_expert_axis(r, role, inv):
             fused.setdefault(r.layer, []).append(i)
     in_fused = {i for idx in fused.values() for i in idx}
     # A unit: (density at the batch, dense?, declaration index, expert id or -1, bytes, layer of an expert unit).
@@ -89,7 +94,8 @@ def plan_frequency(inv: Inventory, roles: Sequence[Role], stats: Mapping[int, Se
     # density after experts, as in sparse-first. Other tensors (not fused) go whole, at their usual density.
     units = [(1.0 - (1.0 - p[layer][x]) ** batch, False, idx[0], x, sum(records[i].bytes // e for i in idx), layer)
              for layer, idx in fused.items() for x in range(e)]
-    units += [(density(i), dense(i), i, -1, records[i].bytes, None) for i in range(len(records)) if i not in in_fused]
+    units += [(density(i), is_dense(roles[i]), i, -1, records[i].bytes, None) for i in range(len(records))
+              if i not in in_fused]
     units.sort(key=lambda u: u[:4])
     # The one filling loop (tiers.py), strict order, whole units: off the device, then on to disk.
     order = [Unit(pos, u[4], u[0], u[1]) for pos, u in enumerate(units)]
@@ -121,7 +127,7 @@ def plan_frequency(inv: Inventory, roles: Sequence[Role], stats: Mapping[int, Se
         off_ = bool(ids) or i in whole
         if off_:
             offloaded.add(i)
-        reason = _reason(off_, Policy.FREQUENCY, role, density(i), False)
+        reason = offload_reason(off_, Policy.FREQUENCY, role, density(i), False)
         if ids:
             lo, hi = min(p[r.layer][x] for x in ids), max(p[r.layer][x] for x in ids)
             reason = (f"offloaded by expert: {len(ids)} of {e} experts, picked by {lo:.4g} to {hi:.4g} of decoded "
@@ -132,7 +138,9 @@ def plan_frequency(inv: Inventory, roles: Sequence[Role], stats: Mapping[int, Se
                           e if routed else None, k if routed else None, tier.value, reason,
                           len(ids), ids, on if len(on) < len(ids) else ())
         if tier is Tier.DISK:
-            t = replace(t, reason=disk_reason(t, density(i), room) + (f"; {reason}" if ids else ""))
+            # A fused tensor's experts are read at their measured densities: the tensor's is their mean.
+            at = density(i) if i not in in_fused else sum(1.0 - (1.0 - q) ** batch for q in p[r.layer]) / e
+            t = replace(t, reason=disk_reason(t, at, room) + (f"; {reason}" if ids else ""))
         tensors.append(t)
 
     picks = [sum(stats[layer]) for layer in layers]
@@ -141,7 +149,7 @@ def plan_frequency(inv: Inventory, roles: Sequence[Role], stats: Mapping[int, Se
     notes.append(f"frequency placement: each expert ranked by the share of decoded tokens that pick it, from "
                  f"{min(picks):g} to {max(picks):g} expert picks per layer, smoothed by {FREQUENCY_PSEUDOCOUNT:g} "
                  f"pick per expert ({unseen} experts never picked rank at {floor:.3g}, not 0)")
-    notes += _notes(records, roles, offloaded, target, done, None, Policy.FREQUENCY, range(len(records)), {})
+    notes += offload_notes(records, roles, offloaded, target, done, None, Policy.FREQUENCY, range(len(records)), {})
     if last is not None and done > target:
         _, _, i, x, nbytes, layer = last
         what = (f"expert {x} of layer {layer}, {nbytes} bytes over its {len(fused[layer])} tensors" if layer is not None

@@ -1,7 +1,7 @@
 """What a plan is: the tier of every tensor, as data. No policy lives here (planner.py decides).
 
-A `Plan` is printable, saved to and loaded from JSON, diffable; every module after the
-planner (loader, runtime, audit, replay, export) reads placements through these types.
+A `Plan` is printable, saved to and loaded from JSON (plan_json.py reads it back), diffable; every
+module after the planner (loader, runtime, audit, replay, export) reads placements through these types.
 Sizes are int bytes; GiB appears only in `format_bytes` and at the CLI.
 """
 
@@ -13,7 +13,9 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 
 from .accounting import TokenBytes
+from .density import access_density
 from ..model.roles import Role
+from .plan_json import read_plan
 
 GiB = 1 << 30
 PLAN_FORMAT = 1
@@ -46,12 +48,14 @@ class PlannedTensor:
     top_k: int | None       # k, for routed experts
     tier: str
     reason: str
-    # A routed-expert tensor [E, ...] split by expert. `tier` is the furthest tier any of its bytes lies in, so
+    # A routed-expert tensor [E, ...] by expert. `tier` is the furthest tier any of its bytes lies in, so
     # `tier != "device"` means "offloaded, at least in part" and `tier == "disk"` means "the runtime reads some
-    # of it from the checkpoint". host_experts / host_expert_ids: the experts OFF THE DEVICE (the name is from
-    # the two-tier plans, where that was the host), lying in `tier`; the others are on the device. The count
-    # alone means the last `host_experts` experts (sparse-first); the ids (ascending) any subset (frequency).
-    # Neither: the tensor lies whole in its tier.
+    # of it from the checkpoint". host_expert_ids: the ids (ascending) of the experts OFF THE DEVICE (the name
+    # is from the two-tier plans, where that was the host), lying in `tier`; the others are on the device.
+    # Every offloaded tensor with an expert axis lists them, under every policy: some of its ids when it went
+    # in part, all E when whole (a whole tensor, not a split). host_experts: exactly their count. A tensor
+    # without an expert axis lists none and lies whole in its tier. (Built in Python, a count alone still
+    # means its last `host_experts` experts, as plans saved before the ids did; from_json writes the ids.)
     host_experts: int = 0
     host_expert_ids: tuple[int, ...] = ()
     # Only when a tensor's offloaded experts span host AND disk: the ascending ids of those on disk (a subset
@@ -63,8 +67,9 @@ class PlannedTensor:
         return math.prod(self.shape)
 
     @property
-    def host_ids(self) -> tuple[int, ...]:
-        """Ids of the experts of a split tensor that are off the device (ascending); () for a whole tensor."""
+    def offloaded_ids(self) -> tuple[int, ...]:
+        """Ids of the experts off the device, as the tensor lists them (ascending): all E for a whole offloaded
+        tensor with an expert axis; () for a resident tensor or one without an expert axis."""
         if self.host_expert_ids:
             return self.host_expert_ids
         if self.host_experts:
@@ -72,17 +77,31 @@ class PlannedTensor:
         return ()
 
     @property
+    def host_ids(self) -> tuple[int, ...]:
+        """Ids of the experts of a split tensor that are off the device (ascending); () for a whole tensor (one
+        that lists all of its experts is whole, not split)."""
+        ids = self.offloaded_ids
+        return ids if len(ids) < self.shape[0] else ()
+
+    @property
+    def is_split(self) -> bool:
+        """Split by expert between the device and an offloaded tier: some of its experts off the device."""
+        return bool(self.host_ids)
+
+    @property
     def disk_ids(self) -> tuple[int, ...]:
-        """Ids of the experts of a split tensor that lie on disk (ascending); () for a whole tensor."""
+        """Ids of the experts of a split tensor, or of a tensor whose offloaded experts span host and disk, that
+        lie on disk (ascending); () for a tensor whole on disk."""
         if self.tier != Tier.DISK:
             return ()
         return self.disk_expert_ids or self.host_ids
 
     @property
     def memory_ids(self) -> tuple[int, ...]:
-        """Ids of the experts of a split tensor that lie in host memory (ascending); () for a whole tensor."""
+        """Ids of the experts of a split tensor, or of a tensor whose offloaded experts span host and disk, that
+        lie in host memory (ascending); () for a whole tensor in one tier."""
         disk = set(self.disk_ids)
-        return tuple(e for e in self.host_ids if e not in disk)
+        return tuple(e for e in (self.offloaded_ids if self.disk_expert_ids else self.host_ids) if e not in disk)
 
     @property
     def resident_experts(self) -> int:
@@ -94,16 +113,15 @@ class PlannedTensor:
         """Bytes off the device: in host memory or on disk."""
         if self.tier == Tier.DEVICE:
             return 0
-        if self.host_experts:
-            return self.bytes // self.shape[0] * self.host_experts
-        return self.bytes
+        return self.bytes // self.shape[0] * len(self.host_ids) if self.host_ids else self.bytes
 
     @property
     def disk_bytes(self) -> int:
         """Bytes on disk: read from the checkpoint at run time."""
         if self.tier != Tier.DISK:
             return 0
-        return self.bytes // self.shape[0] * len(self.disk_ids) if self.host_ids else self.bytes
+        part = 0 < len(self.disk_ids) < self.shape[0]
+        return self.bytes // self.shape[0] * len(self.disk_ids) if part else self.bytes
 
     @property
     def host_bytes(self) -> int:
@@ -111,12 +129,8 @@ class PlannedTensor:
         return self.offloaded_bytes - self.disk_bytes
 
     def density(self, batch: int = 1) -> float:
-        """Expected fraction of this tensor's bytes read by one decode step of `batch` sequences."""
-        if self.role == Role.ROUTED_EXPERT and self.experts and self.top_k:
-            return 1.0 - (1.0 - self.top_k / self.experts) ** batch
-        if self.role == Role.EMBEDDING and self.shape:
-            return min(batch, self.shape[0]) / self.shape[0]
-        return 1.0
+        """Expected fraction of this tensor's bytes read by one decode step of `batch` sequences (density.py)."""
+        return access_density(self.role, self.shape, self.experts, self.top_k, batch)
 
 
 @dataclass(frozen=True)
@@ -238,43 +252,38 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
+        """A saved plan, every field's type checked and older forms read as today's (plan_json.py); whether it
+        fits a model is plan_check.check_plan's question."""
         from ..errors import MoeOffloadError
 
         try:
-            data = json.loads(text)
-            if data.get("format") != PLAN_FORMAT:
-                raise ValueError(f"plan format {data.get('format')!r}, this moe-offload reads format {PLAN_FORMAT}")
-            tensors = tuple(PlannedTensor(**{**t, "shape": tuple(t["shape"]), "tier": Tier(t["tier"]).value,
-                                             "host_expert_ids": tuple(t.get("host_expert_ids", ())),
-                                             "disk_expert_ids": tuple(t.get("disk_expert_ids", ()))})
-                            for t in data["tensors"])
+            fields, tensors = read_plan(json.loads(text), PLAN_FORMAT)
+            tensors = tuple(PlannedTensor(**t) for t in tensors)
             for t in tensors:
-                _check_tiers(t)
-            densities = tuple((int(layer), tuple(float(x) for x in p))
-                              for layer, p in data.get("expert_densities", {}).items())
-            host_budget = data.get("host_budget_bytes")
-            return cls(tensors, data["model_type"], data["policy"], int(data["budget_bytes"]), int(data["batch"]),
-                       tuple(data.get("offload_params", ())), tuple(data.get("notes", ())), densities,
-                       None if host_budget is None else int(host_budget))
+                problem = expert_tier_problem(t)
+                if problem:
+                    raise ValueError(problem)
+            return cls(tensors, **fields)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise MoeOffloadError(f"not a moe-offload plan ({type(exc).__name__}: {exc}); save one with "
-                                  "`moe-offload plan --save PLAN.json`") from exc
+                                  "`moe-offload plan MODEL --save PLAN.json`") from exc
 
 
-def _check_tiers(t: PlannedTensor) -> None:
-    """A saved tensor's experts must each lie in one tier (ValueError: from_json makes it a user error)."""
+def expert_tier_problem(t: PlannedTensor) -> str | None:
+    """What is wrong with where a tensor's experts lie, if anything: each must lie in one tier."""
     if not t.disk_expert_ids:
-        return
+        return None
     disk, e = tuple(t.disk_expert_ids), t.shape[0] if t.shape else 0
     where = f"tensor {t.name}: disk_expert_ids {list(disk)[:8]}"
     if t.tier != Tier.DISK:
-        raise ValueError(f"{where} with tier {t.tier!r}; a tensor with experts on disk has tier 'disk'")
+        return f"{where} with tier {t.tier!r}; a tensor with experts on disk has tier 'disk'"
     if list(disk) != sorted(set(disk)) or disk[0] < 0 or disk[-1] >= e:
-        raise ValueError(f"{where}: expert ids must be ascending, distinct and below {e}")
-    stray = sorted(set(disk) - set(t.host_ids))
+        return f"{where}: expert ids must be ascending, distinct and below {e}"
+    stray = sorted(set(disk) - set(t.offloaded_ids))
     if stray:
-        raise ValueError(f"{where}: experts {stray[:8]} are not among the experts off the device (host_experts / "
-                         "host_expert_ids); disk_expert_ids names the part of those on disk")
+        return (f"{where}: experts {stray[:8]} are not among the experts off the device (host_experts / "
+                "host_expert_ids); disk_expert_ids names the part of those on disk")
+    return None
 
 
 def format_bytes(n: float) -> str:

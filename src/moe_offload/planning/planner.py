@@ -1,7 +1,7 @@
 """The planner: records + budget + policy -> Plan. A pure function of its inputs.
 
 Every tensor is ranked by its access density, the expected fraction of its bytes one
-decoded step reads (DESIGN.md):
+decoded step reads (DESIGN.md; density.py computes it):
 
     untied input embedding / lookup table     rows read / rows
     routed expert tensor (E experts, top-k)   1 - (1 - k/E)^b   (b = sequences decoded together)
@@ -24,6 +24,9 @@ The expected link traffic per decoded token follows from the same numbers (accou
 Three tiers (tiers.py): with host_memory_gb (or, on a CPU-only machine, device_memory_gb alone:
 cpu_only=True, which the CLI sets from the device it resolves, so that this function stays pure),
 the first bytes of the same order that left the device go on to disk until the host tier fits.
+
+Every offloaded tensor with an expert axis lists the experts off the device (host_expert_ids):
+its last ones when sparse-first cut it in part, all of them when it went whole.
 """
 
 from __future__ import annotations
@@ -34,10 +37,13 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ..errors import BudgetError, SelectorError
-from ..model.inventory import Inventory, TensorRecord
+from ..model.inventory import Inventory
 # The plan's data types live in placement.py; they are re-exported here, where users have always imported them.
 from .placement import GiB, PLAN_FORMAT, Plan, PlannedTensor, Policy, Tier, format_bytes  # noqa: F401
 from ..model.roles import Role, assign, family_note
+from .density import is_dense, record_density, record_expert_axis
+from .frequency import plan_frequency
+from .reasons import offload_notes, offload_reason
 from .tiers import Unit, cut_to_disk, disk_reason, fill, tier_notes
 
 DEFAULT_RESERVE_GB = 2.0  # activations + KV cache kept free with --device-memory, unless --reserve-gb says otherwise
@@ -183,29 +189,22 @@ def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: f
         target = 0
         notes.append("no budget given (--offload-gb or --device-memory): everything stays on the device")
 
-    # Order of offloading.
+    # Order of offloading: lowest access density first (density.py), lookup tables and routed experts before
+    # dense tensors of equal density.
     def density(i: int) -> float:
-        r, role = records[i], roles[i]
-        if role == Role.ROUTED_EXPERT and inv.num_experts and inv.top_k:
-            return 1.0 - (1.0 - inv.top_k / inv.num_experts) ** batch
-        if role == Role.EMBEDDING:
-            return min(batch, r.shape[0]) / r.shape[0]
-        return 1.0
+        return record_density(records[i], roles[i], inv, batch)
 
-    # Lookup tables and routed experts go before dense tensors of equal density: at a large batch an expert's
-    # density rounds to 1.0 in floating point, and dense tensors declared first must still not overtake it.
     def dense(i: int) -> bool:
-        return roles[i] not in (Role.ROUTED_EXPERT, Role.EMBEDDING)
+        return is_dense(roles[i])
 
     room, room_label = budget.host_room(), _room_label(budget)
     if policy_ is Policy.FREQUENCY:
-        from .frequency import plan_frequency  # it builds on this module's helpers: imported when used
-
-        p = plan_frequency(inv, roles, stats, target, batch, notes, density, dense, room, room_label)
+        p = plan_frequency(inv, roles, stats, target, batch, notes, room, room_label)
         return _with_tier_notes(p, budget)
     order = sorted(eligible, key=lambda i: (density(i), dense(i), i)) if policy_ is Policy.SPARSE_FIRST else eligible
     # One unit per eligible tensor, in the policy's order; fused expert tensors may go by their last experts.
-    units = [Unit(i, records[i].bytes, density(i), dense(i), _experts_of(records[i], roles[i], inv)) for i in order]
+    axis = [record_expert_axis(r, role, inv) for r, role in zip(records, roles)]
+    units = [Unit(i, records[i].bytes, density(i), dense(i), axis[i]) for i in order]
     sparse = policy_ is Policy.SPARSE_FIRST
     off = fill(units, target, slice_=sparse)
     # The disk cut moves whole units (a tensor, or the experts the device cut took of one): the disk tier reads
@@ -219,16 +218,19 @@ def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: f
     for i, (r, role) in enumerate(zip(records, roles)):
         routed = role == Role.ROUTED_EXPERT
         tier = (Tier.DISK if i in disk else Tier.HOST) if i in offloaded else Tier.DEVICE
-        reason = _reason(i in offloaded, policy_, role, density(i), selectors and i in eligible)
+        reason = offload_reason(i in offloaded, policy_, role, density(i), selectors and i in eligible)
         if i in split:
             reason = (f"offloaded in part: its last {split[i]} of {r.shape[0]} experts, the slice that met the "
                       "budget")
+        # Every offloaded tensor with an expert axis lists the experts off the device: its last ones when it
+        # went in part, all of them when whole (PlannedTensor.host_expert_ids).
+        ids = tuple(range(axis[i] - split.get(i, axis[i]), axis[i])) if i in offloaded else ()
         t = PlannedTensor(r.name, r.shape, r.dtype, r.bytes, r.layer, r.component, role.value, r.is_buffer,
                           inv.num_experts if routed else None, inv.top_k if routed else None, tier.value, reason,
-                          split.get(i, 0))
+                          len(ids), ids)
         tensors.append(dataclasses.replace(t, reason=disk_reason(t, density(i), room)) if i in disk else t)
 
-    notes += _notes(records, roles, offloaded, target, done, last, policy_, eligible, split)
+    notes += offload_notes(records, roles, offloaded, target, done, last, policy_, eligible, split)
     return _with_tier_notes(Plan(tuple(tensors), inv.model_type, policy_.value, target, batch, selectors,
                                  tuple(notes), host_budget_bytes=room), budget)
 
@@ -246,61 +248,3 @@ def _with_tier_notes(p: Plan, budget: Budget) -> Plan:
                        device_bound=budget.device_memory_gb is not None,
                        explicit_room=budget.host_memory_gb is not None)
     return dataclasses.replace(p, notes=(*p.notes, *extra)) if extra else p
-
-
-def _experts_of(record: TensorRecord, role: Role, inv: Inventory) -> int:
-    """E for a fused routed-expert tensor [E, ...] that can be offloaded expert by expert, else 0."""
-    e = inv.num_experts
-    if role != Role.ROUTED_EXPERT or not e or len(record.shape) < 2 or record.shape[0] != e or e < 2 \
-            or "Experts" not in record.module_class:   # only a fused experts module's tensors have an expert axis
-        return 0
-    return e if record.bytes % e == 0 else 0
-
-
-def _reason(off: bool, policy: Policy, role: Role, density: float, selected: bool) -> str:
-    if not off:
-        return "resident: budget met before this tensor's turn" if selected or policy is not Policy.EXPLICIT \
-            else "resident: not selected by --offload-params"
-    if policy is Policy.EXPLICIT:
-        return "offloaded: selected by --offload-params, declaration order"
-    if policy is Policy.DECLARATION:
-        return "offloaded: declaration order"
-    return f"offloaded: access density {density:.4g} per step"
-
-
-def _notes(records: Sequence[TensorRecord], roles, offloaded: set[int], target: int, done: int, last,
-           policy: Policy, eligible, split: dict[int, int]) -> list[str]:
-    notes = []
-    if not offloaded:
-        return notes
-    routed_total = sum(r.bytes for r, role in zip(records, roles) if role == Role.ROUTED_EXPERT)
-    dense_off = [i for i in offloaded if roles[i] not in (Role.ROUTED_EXPERT, Role.EMBEDDING)]
-    dense_bytes = sum(records[i].bytes for i in dense_off)
-    if dense_off and policy in (Policy.SPARSE_FIRST, Policy.FREQUENCY):
-        sparse_off = done - dense_bytes
-        notes.append(
-            f"dense tensors offloaded: the {_gib(target)} budget exceeds the {_gib(sparse_off)} of routed experts "
-            f"and lookup tables ({_gib(routed_total)} routed experts in all), so {len(dense_off)} dense tensors "
-            f"({_gib(dense_bytes)}) were offloaded in declaration order; every token reads them in full")
-    elif dense_off:
-        notes.append(
-            f"{len(dense_off)} dense tensors ({_gib(dense_bytes)}) offloaded by {policy.value} order; every decoded "
-            "token reads them in full over the link (sparse-first would offload routed experts first)")
-    selectable = set(eligible)
-    for comp in sorted({r.component for r in records} - {"language"}):
-        idx = [i for i, r in enumerate(records) if r.component == comp]
-        if not any(i in offloaded for i in idx):
-            size = sum(records[i].bytes for i in idx)
-            why = ("the budget was met before its turn" if any(i in selectable for i in idx)
-                   else "--offload-params selects none of it")
-            notes.append(f"the {comp} tower ({_gib(size)}) stays resident: {why}")
-    over = done - target
-    if over > 0 and last in split:
-        r = records[last]
-        notes.append(f"offloaded {over} bytes more than the budget: {r.name} went in part (its last {split[last]} "
-                     f"of {r.shape[0]} experts, {r.bytes // r.shape[0]} bytes each), and the last expert crossed "
-                     "the target")
-    elif over > 0 and last is not None:
-        notes.append(f"offloaded {over} bytes more than the budget: tensors move whole, and the last one "
-                     f"({records[last].name}, {records[last].bytes} bytes) crossed the target")
-    return notes

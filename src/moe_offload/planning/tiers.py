@@ -15,9 +15,9 @@ fit goes to disk (`Budget.host_room`). Without either the host tier is unbounded
 
 Sparse-first may end the device cut inside one fused expert tensor, by its last experts; the disk cut
 moves whole units (a tensor, or the experts the device cut took of one), since the disk tier reads a
-tensor's experts from disk or from memory, not both. (PlannedTensor's data model, host_experts = n experts
-off the device and disk_expert_ids = the part of them on disk, also holds a tensor in all three tiers, as a
-saved plan may.) The declaration order and explicit selectors move whole tensors; frequency units are whole
+tensor's experts from disk or from memory, not both. (PlannedTensor's data model, host_expert_ids = the
+experts off the device and disk_expert_ids = the part of them on disk, also holds a tensor in all three
+tiers, as a saved plan may.) The declaration order and explicit selectors move whole tensors; frequency units are whole
 experts, so a frequency plan may put some experts of one layer in host memory and others on disk.
 Buffers never go to disk (a checkpoint need not store them): they stay in host memory.
 """
@@ -109,8 +109,9 @@ def cut_to_disk(units: Sequence[Unit], off: Fill, room: int | None, *, movable: 
 
 
 def disk_reason(t: PlannedTensor, density: float, room: int) -> str:
-    """The reason of a PlannedTensor `t` with bytes on disk."""
-    if not t.host_ids:
+    """The reason of a PlannedTensor `t` with bytes on disk: whole (all its experts, if it lists them), or by
+    expert."""
+    if not t.host_ids and not t.memory_ids:
         return (f"on disk: access density {density:.4g} per step, among the lowest of what left the device "
                 f"(the host tier holds {format_bytes(room)})")
     where = [f"expert{'s' if len(t.disk_ids) > 1 else ''} {_ids(t.disk_ids)} of {t.shape[0]} on disk"]
@@ -151,7 +152,7 @@ def tier_notes(plan: Plan, room: int | None, *, cpu_only: bool, device_bound: bo
                      "nothing on disk")
         return notes
     on_disk = [t for t in plan.tensors if t.tier == Tier.DISK]
-    part = sum(1 for t in on_disk if t.host_ids)
+    part = sum(1 for t in on_disk if t.disk_bytes < t.bytes)   # by expert: the rest on the device or the host
     fit = ("have no host tier to go to" if not room else
            f"do not fit the {format_bytes(room)} host tier ({format_bytes(plan.host_bytes)} there)")
     notes.append(

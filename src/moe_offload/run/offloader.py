@@ -44,8 +44,7 @@ class Offloader:
             raise BudgetError("the Offloader has neither a plan nor offload_gb, so it would offload nothing: give "
                               "offload_gb=X (GiB) or plan=moe_offload.plan(...)")
         # Experts by id: all of a tensor's experts on the host is the whole tensor; any other subset is a split.
-        split = [t.name for t in plan.tensors if (t.host_experts or t.host_expert_ids)
-                 and tuple(t.host_ids) != tuple(range(t.shape[0]))] if plan is not None else []
+        split = [t.name for t in plan.tensors if t.is_split] if plan is not None else []
         if split:
             raise MoeOffloadError(f"the plan offloads {split[0]} in part (expert slices); wrap_modules places "
                                   "whole tensors: use moe_offload.load for such a plan, or plan without slicing")
