@@ -157,3 +157,12 @@ def test_the_architecture_tree_is_the_package():
               if not m.endswith(".__init__")}
     assert set(listed) == actual, (f"not in docs/ARCHITECTURE.md: {sorted(actual - set(listed))}; "
                                    f"listed but not in the package: {sorted(set(listed) - actual)}")
+
+
+def test_the_tests_mirror_the_rooms():
+    """tests/<room>/ for every sub-package, and no test folder that is not a room."""
+    tests = Path(__file__).resolve().parent
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
+    rooms = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert folders == rooms, (f"sub-packages without tests/<room>/: {sorted(rooms - folders)}; "
+                              f"test folders that are not rooms: {sorted(folders - rooms)}")

@@ -106,7 +106,7 @@ class AccelerateArm:
                                   "does not have (Linux only); drop accelerate from --arms")
         folder = Path(folder)
         config = read_config(folder)
-        # The Auto class moe_offload's own loader builds (inventory.build_meta_model): vision models are
+        # The Auto class moe_offload's own loader builds (model/config.build_meta_model): vision models are
         # image-text-to-text in transformers 5, everything else a causal LM.
         auto = transformers.AutoModelForImageTextToText if hasattr(config, "vision_config") else \
             transformers.AutoModelForCausalLM

@@ -17,7 +17,7 @@ import pytest
 
 from moe_offload.planning.accounting import TokenBytes
 from moe_offload.planning.planner import plan
-from test_planner import EMBED, FINAL_NORM, LM_HEAD, gb, layer, make_inv
+from fixtures_records import EMBED, FINAL_NORM, LM_HEAD, gb, layer, make_inv
 
 INV = make_inv([EMBED, *layer(0), *layer(1), FINAL_NORM, LM_HEAD])
 DENSE = 2 * 352 + 16 + 256    # 976 B: every dense tensor, read in full by each decoded token

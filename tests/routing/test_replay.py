@@ -19,7 +19,7 @@ from moe_offload.errors import TraceError
 from moe_offload.planning.planner import GiB, plan
 from moe_offload.routing.replay import access_keys, replay, replay_routing
 from moe_offload.formats.traces import Trace, TraceHeader, TraceRow, routing_array, write_trace
-from test_planner import EMBED, FINAL_NORM, LM_HEAD, gb, layer, make_inv
+from fixtures_records import EMBED, FINAL_NORM, LM_HEAD, gb, layer, make_inv
 from fixtures_cli import QWEN3_CONFIG, run_cli as run
 
 INV = make_inv([EMBED, *layer(0), *layer(1), FINAL_NORM, LM_HEAD])

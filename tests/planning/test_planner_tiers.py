@@ -21,7 +21,7 @@ from moe_offload.errors import BudgetError, MoeOffloadError
 from moe_offload.planning.planner import GiB, Plan, plan
 from moe_offload.routing.replay import replay
 from moe_offload.formats.traces import Trace, TraceHeader, TraceRow, write_trace
-from test_planner import EMBED, FINAL_NORM, LM_HEAD, gb, layer, make_inv, with_buffer
+from fixtures_records import EMBED, FINAL_NORM, LM_HEAD, gb, layer, make_inv, with_buffer
 from fixtures_cli import QWEN3_CONFIG, run_cli as cli
 
 INV = make_inv([EMBED, *layer(0), *layer(1), FINAL_NORM, LM_HEAD])   # 2768 B
