@@ -42,7 +42,7 @@ from rich.table import Table
 
 import moe_offload as mo
 from moe_offload.routing.cache_policy import DEFAULT_CACHE_POLICY
-from moe_offload.planning.planner import GiB, format_bytes
+from moe_offload.planning.placement import GiB, format_bytes
 from moe_offload.routing.replay import replay
 from moe_offload.formats.traces import Trace, TraceHeader, TraceRow, read_trace, write_trace
 

@@ -26,7 +26,7 @@ from rich.markup import escape
 
 import moe_offload as mo
 from moe_offload.cli.main import main as cli
-from moe_offload.planning.planner import GiB, format_bytes
+from moe_offload.planning.placement import GiB, format_bytes
 from moe_offload.prompts import PROMPTS
 from moe_offload.tiny.make import make_tiny
 

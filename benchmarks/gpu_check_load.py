@@ -132,7 +132,7 @@ def _link_vs_replay(label: str, model, plan, rt, folder: Path, tmp: Path, args, 
     """Record one generation as a trace while the runtime counts; replay the trace under the same plan (and
     cache); both must give the same bytes per decode token, and the same hits and misses."""
     from moe_offload.loading.loader import load_tokenizer
-    from moe_offload.planning.planner import GiB
+    from moe_offload.planning.placement import GiB
     from moe_offload.measure.profile import record, trace_header
     from moe_offload.prompts import PROMPTS
     from moe_offload.routing.replay import replay

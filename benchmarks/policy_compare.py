@@ -22,7 +22,7 @@ from rich.table import Table
 
 import moe_offload as mo
 from moe_offload.errors import BudgetError
-from moe_offload.planning.planner import format_bytes
+from moe_offload.planning.placement import format_bytes
 from moe_offload.model.published import write
 
 GiB = 1 << 30

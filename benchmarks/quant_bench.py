@@ -51,7 +51,7 @@ from rich.table import Table
 import moe_offload as mo
 from moe_offload.measure.bench import run_bench
 from moe_offload.loading.loader import load_tokenizer
-from moe_offload.planning.planner import GiB, format_bytes
+from moe_offload.planning.placement import GiB, format_bytes
 from moe_offload.prompts import PROMPTS
 from moe_offload.tiny.make import make_tiny
 

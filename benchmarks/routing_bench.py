@@ -56,7 +56,7 @@ import moe_offload as mo
 from moe_offload.planning import planner
 from moe_offload.cli.main import main as cli
 from moe_offload.model.inventory import inventory
-from moe_offload.planning.planner import GiB
+from moe_offload.planning.placement import GiB
 from moe_offload.measure.profile import profile
 from moe_offload.routing.replay import replay
 from moe_offload.formats.traces import Phase, Trace, expert_counts, read_trace, skew_summary, write_trace

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from moe_offload.planning.planner import GiB
+from moe_offload.planning.placement import GiB
 from moe_offload.tiny import families as tiny
 from moe_offload.tiny.families import AUTO_CLASSES
 from moe_offload.tiny.make import make_tiny
@@ -173,7 +173,7 @@ def subset_plan(folder, ids_of):
     import dataclasses
 
     import moe_offload as mo
-    from moe_offload.planning.planner import Plan
+    from moe_offload.planning.placement import Plan
 
     plan = mo.plan(folder, offload_gb=0)
     tensors = []

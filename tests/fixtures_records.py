@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 
 from moe_offload.model.inventory import Inventory, TensorRecord, component_of, layer_of
-from moe_offload.planning.planner import GiB, Plan
+from moe_offload.planning.placement import GiB, Plan
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 

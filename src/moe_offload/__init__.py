@@ -11,7 +11,7 @@ from .errors import (AuditError, BudgetError, CheckpointError, ConfigError, Devi
                      PlanMismatchError, SelectorError, TraceError)
 from .model.inventory import Inventory, TensorRecord
 from .run.offloader import Offloader
-from .planning.planner import Plan, PlannedTensor, Policy, Tier
+from .planning.placement import Plan, PlannedTensor, Policy, Tier
 from .model.roles import Role
 from .api import audit, load, plan, transform_weights, update_weights
 

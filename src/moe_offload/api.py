@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .planning.planner import Plan
+from .planning.placement import Plan
 
 
 def load(model_dir, *, device=None, backend: str | None = None, plan: "Plan | str | None" = None,

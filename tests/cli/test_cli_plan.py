@@ -34,7 +34,7 @@ import pytest
 
 import moe_offload as mo
 from fixtures_cli import run_cli as run
-from moe_offload.planning.planner import GiB, Plan
+from moe_offload.planning.placement import GiB, Plan
 
 CONFIG = {
     "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],

@@ -21,7 +21,7 @@ from fixtures_models import (load, ARMS, BACKENDS, FAMILIES, TIED_IDS, TIED_VOCA
                              prompt_ids, reference_model, run, tensor_bytes)
 from moe_offload.errors import (BudgetError, CheckpointError, ConfigError, DeviceError, MoeOffloadError,
                                 SelectorError)
-from moe_offload.planning.planner import GiB
+from moe_offload.planning.placement import GiB
 
 # Outputs compared bit for bit with the plain transformers model: `make test` reruns these under a second
 # kernel path (see the Makefile).

@@ -33,7 +33,8 @@ from moe_offload.measure import arms, bench, plots, runtime_rows, timing
 from moe_offload.cli import report
 from moe_offload.cli.main import main
 from moe_offload.errors import MoeOffloadError
-from moe_offload.planning.planner import GiB, matches_selector
+from moe_offload.planning.planner import matches_selector
+from moe_offload.planning.placement import GiB
 from moe_offload.tiny.make import make_tiny
 from fixtures_cli import unwritable_dir
 

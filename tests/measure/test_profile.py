@@ -17,7 +17,7 @@ import moe_offload as mo
 from fixtures_models import BACKENDS, EXPERTS, FAMILIES, TOP_K, budgets
 from moe_offload.cli.main import main
 from moe_offload.loading.loader import load_tokenizer
-from moe_offload.planning.planner import GiB
+from moe_offload.planning.placement import GiB
 from moe_offload.measure.profile import profile, record, trace_header
 from moe_offload.routing.replay import replay
 from moe_offload.formats.traces import TraceWriter, expert_counts, read_trace

@@ -12,7 +12,7 @@ import moe_offload as mo
 from fixtures_cli import QWEN3_CONFIG, run_cli as run
 from moe_offload.errors import MoeOffloadError, PlanMismatchError
 from moe_offload.formats.traces import TraceHeader, TraceRow, write_trace
-from moe_offload.planning.planner import GiB, Plan
+from moe_offload.planning.placement import GiB, Plan
 
 EMBED, SLICE_DOWN, DOWN_BYTES = 16384, 2048, 8192   # QWEN3_CONFIG: E = 4, down_proj [4, 32, 16] float32
 DOWN0 = "model.layers.0.mlp.experts.down_proj"

@@ -26,7 +26,8 @@ import pytest
 
 from moe_offload.errors import BudgetError, MoeOffloadError, SelectorError
 from moe_offload.model.inventory import component_of
-from moe_offload.planning.planner import GiB, Plan, Tier, matches_selector, plan
+from moe_offload.planning.planner import matches_selector, plan
+from moe_offload.planning.placement import GiB, Plan, Tier
 from moe_offload.model.roles import Role
 
 from fixtures_records import EMBED, FINAL_NORM, LM_HEAD, dense_layer, expert_names, full_model, gb, host, layer, make_inv, with_buffer

@@ -18,7 +18,8 @@ import pytest
 
 from moe_offload.errors import SelectorError
 from moe_offload.planning.frequency import FREQUENCY_PSEUDOCOUNT, expert_densities
-from moe_offload.planning.planner import Plan, plan
+from moe_offload.planning.planner import plan
+from moe_offload.planning.placement import Plan
 from fixtures_records import EMBED, FINAL_NORM, LM_HEAD, dense_layer, gb, host, layer, make_inv
 
 INV = make_inv([EMBED, *layer(0), *layer(1), FINAL_NORM, LM_HEAD])   # 2768 B

@@ -18,7 +18,8 @@ import pytest
 
 import moe_offload as mo
 from moe_offload.errors import BudgetError, MoeOffloadError
-from moe_offload.planning.planner import GiB, Plan, plan
+from moe_offload.planning.planner import plan
+from moe_offload.planning.placement import GiB, Plan
 from moe_offload.routing.replay import replay
 from moe_offload.formats.traces import Trace, TraceHeader, TraceRow, write_trace
 from fixtures_records import EMBED, FINAL_NORM, LM_HEAD, gb, layer, make_inv, with_buffer

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from moe_offload.errors import TraceError
-from moe_offload.planning.planner import GiB, plan
+from moe_offload.planning.planner import plan
+from moe_offload.planning.placement import GiB
 from moe_offload.routing.replay import access_keys, replay, replay_routing
 from moe_offload.formats.traces import Trace, TraceHeader, TraceRow, routing_array, write_trace
 from fixtures_records import EMBED, FINAL_NORM, LM_HEAD, gb, layer, make_inv

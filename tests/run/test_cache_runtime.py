@@ -24,7 +24,7 @@ from moe_offload.routing.cache_policy import DEFAULT_CACHE_POLICY, cache_policy_
 from moe_offload.cli.main import main
 from moe_offload.errors import BudgetError, SelectorError
 from moe_offload.loading.loader import load_tokenizer
-from moe_offload.planning.planner import GiB, Plan
+from moe_offload.planning.placement import GiB, Plan
 from moe_offload.measure.profile import record, trace_header
 from moe_offload.routing.replay import replay
 from moe_offload.formats.traces import TraceWriter, read_trace

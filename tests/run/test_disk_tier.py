@@ -29,7 +29,7 @@ import torch
 import moe_offload as mo
 from fixtures_models import BACKENDS, SIZES, load, prompt_ids, reference_model, run
 from moe_offload.errors import CheckpointError
-from moe_offload.planning.planner import Tier
+from moe_offload.planning.placement import Tier
 from moe_offload.tiny.make import make_tiny
 
 pytestmark = pytest.mark.exact
@@ -222,7 +222,7 @@ _RSS_SCRIPT = textwrap.dedent("""
     import dataclasses, json, sys
     import torch, transformers
     import moe_offload as mo
-    from moe_offload.planning.planner import Tier
+    from moe_offload.planning.placement import Tier
 
     def status(field):
         for line in open("/proc/self/status"):

@@ -6,7 +6,7 @@ import torch.nn as nn
 
 from moe_offload import Offloader, Plan
 from moe_offload.errors import BudgetError, MoeOffloadError, SelectorError
-from moe_offload.planning.planner import GiB
+from moe_offload.planning.placement import GiB
 
 # Toy layer, fp32:
 #   self_attn.q_proj.weight  [8, 8]     =   256 bytes (dense)
@@ -178,7 +178,7 @@ def test_bad_options():
 
 
 def _plan_with(tiers):
-    from moe_offload.planning.planner import PlannedTensor
+    from moe_offload.planning.placement import PlannedTensor
 
     tensors = tuple(PlannedTensor(n, (1,), "float32", 4, None, "language", "other", False, None, None, t, "test")
                     for n, t in tiers.items())

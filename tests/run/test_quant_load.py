@@ -24,7 +24,7 @@ import moe_offload as mo
 from fixtures_models import fresh_allocations, prompt_ids, run
 from moe_offload.planning.accounting import TokenBytes
 from moe_offload.errors import CheckpointError
-from moe_offload.planning.planner import GiB
+from moe_offload.planning.placement import GiB
 from moe_offload.formats.quant_codecs import quantize_fp8
 from moe_offload.run.quant_weights import Reader
 from moe_offload.tiny.make import make_tiny

@@ -24,7 +24,7 @@ import torch
 import moe_offload as mo
 from fixtures_models import (load, ARMS, BACKENDS, EXPERTS, FAMILIES, SIZES, TIED_IDS, TIED_VOCAB, TOP_K, budgets,
                              make_tied, prompt_ids, reference_model, run, slice_bytes)
-from moe_offload.planning.planner import GiB
+from moe_offload.planning.placement import GiB
 from moe_offload.tiny.make import make_tiny
 
 # Outputs compared bit for bit with the plain transformers model: `make test` reruns these under a second

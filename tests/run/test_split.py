@@ -10,7 +10,7 @@ import torch
 import moe_offload as mo
 from fixtures_models import EXPERTS, prompt_ids, reference_model, run
 from moe_offload.errors import MoeOffloadError
-from moe_offload.planning.planner import GiB, Plan
+from moe_offload.planning.placement import GiB, Plan
 
 # Outputs compared bit for bit with the plain transformers model: `make test` reruns these under a second
 # kernel path (see the Makefile).

@@ -20,7 +20,7 @@ import moe_offload as mo
 import fixtures_models
 from fixtures_models import BACKENDS, EXPERTS, FAMILIES, prompt_ids, reference_model, run
 from moe_offload.errors import MoeOffloadError
-from moe_offload.planning.planner import Plan
+from moe_offload.planning.placement import Plan
 
 pytestmark = pytest.mark.exact
 

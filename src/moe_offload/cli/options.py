@@ -72,7 +72,7 @@ def read_plan_of(args, path: Path, *, also: tuple = ()):
     from ..model.config import DTYPE_NAMES
     from ..model.inventory import inventory
     from ..planning.plan_check import check_plan
-    from ..planning.planner import Plan
+    from ..planning.placement import Plan
 
     given = [opt for opt, v in (("--offload-gb", args.offload_gb), ("--device-memory", args.device_memory),
                                 ("--reserve-gb", args.reserve_gb), ("--host-memory", args.host_memory),

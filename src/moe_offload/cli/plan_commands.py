@@ -41,7 +41,7 @@ def cmd_replay(args) -> int:
     from ..planning import planner
     from ..planning.frequency import routed_layers
     from ..model.inventory import inventory
-    from ..planning.planner import format_bytes
+    from ..planning.placement import format_bytes
     from ..routing.replay import replay
     from ..formats.traces import check_trace_matches, expert_counts, read_trace
 
@@ -91,7 +91,7 @@ def cmd_export(args) -> int:
     from ..engines.engine import LABELS
     from ..engines.export import export
     from ..model.config import read_config
-    from ..planning.planner import format_bytes
+    from ..planning.placement import format_bytes
 
     path = model_path(args.model)
     config = read_config(path)

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..planning.planner import Plan, format_bytes
+from ..planning.placement import Plan, format_bytes
 from ..model.roles import Role
 
 

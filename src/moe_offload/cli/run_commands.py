@@ -47,7 +47,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from ..run.device_cache import cache_stats
-    from ..planning.planner import format_bytes
+    from ..planning.placement import format_bytes
 
     if args.max_new_tokens < 1:
         raise MoeOffloadError(f"--max-new-tokens {args.max_new_tokens}: give at least 1")

@@ -30,7 +30,8 @@ from ..model.checkpoint import read_headers, safetensors_files
 from ..model.config import DTYPE_NAMES, build_meta_model, read_config
 from ..model.inventory import from_checkpoint
 from ..formats.layouts import map_keys
-from ..planning.planner import Plan, Tier, plan as make_plan
+from ..planning.planner import plan as make_plan
+from ..planning.placement import Plan, Tier
 from ..planning.plan_check import check_plan
 from ..formats.quant import spec_from_config
 from ..run.quant_weights import checkpoint_owner, quant_layouts

@@ -44,7 +44,7 @@ import torch
 
 from ..errors import MoeOffloadError
 from ..planning.placement import Plan
-from ..planning.planner import format_bytes
+from ..planning.placement import format_bytes
 from .arms import DEFAULT_CONCURRENCY, PLAN_ARM, Arm, arms_of_plan, parse_arms, parse_concurrency
 from .runtime_rows import make_row, measure
 from .timing import batch_prompts, peak_rss_bytes, reset_peak_rss

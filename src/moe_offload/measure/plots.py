@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 
 from ..errors import MoeOffloadError
-from ..planning.planner import GiB
+from ..planning.placement import GiB
 
 
 def _machine(rows: Sequence[dict]) -> str:

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import MoeOffloadError
 from ..run.state import RoutedCall
-from ..planning.planner import Plan
+from ..planning.placement import Plan
 from ..formats.traces import Phase, TraceHeader, TraceRow, TraceWriter, read_trace, skew_summary
 
 DEFAULT_MAX_NEW_TOKENS = 32

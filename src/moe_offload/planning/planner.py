@@ -38,8 +38,7 @@ from typing import Mapping, Sequence
 
 from ..errors import BudgetError, SelectorError
 from ..model.inventory import Inventory
-# The plan's data types live in placement.py; they are re-exported here, where users have always imported them.
-from .placement import GiB, PLAN_FORMAT, Plan, PlannedTensor, Policy, Tier, format_bytes  # noqa: F401
+from .placement import GiB, Plan, PlannedTensor, Policy, Tier, format_bytes
 from ..model.roles import Role, assign, family_note
 from .density import is_dense, record_density, record_expert_axis
 from .frequency import plan_frequency

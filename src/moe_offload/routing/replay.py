@@ -19,7 +19,7 @@ import numpy as np
 
 from ..planning.accounting import TokenBytes
 from ..errors import MoeOffloadError, TraceError
-from ..planning.planner import GiB, Plan
+from ..planning.placement import GiB, Plan
 from ..formats.traces import Trace, check_trace_matches, routing_array
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from ..planning.planner import Plan, Tier
+from ..planning.placement import Plan, Tier
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ import torch
 from ..routing.cache_policy import DEFAULT_CACHE_POLICY, make_cache
 from ..routing.expert_cache import ExpertCache
 from ..errors import BudgetError, MoeOffloadError, SelectorError
-from ..planning.planner import DEFAULT_RESERVE_GB, GiB, format_bytes
+from ..planning.planner import DEFAULT_RESERVE_GB
+from ..planning.placement import GiB, format_bytes
 
 from .experts import ExpertsState
 from .state import RunState

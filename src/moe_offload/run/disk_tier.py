@@ -40,7 +40,7 @@ from .state import RunState
 from ..storage.host import HostArena, set_tensor
 
 if TYPE_CHECKING:
-    from ..planning.planner import Plan
+    from ..planning.placement import Plan
     from ..storage.host import ExpertSplit
 
 
@@ -177,7 +177,7 @@ class DiskTier:
     @classmethod
     def build(cls, folder: Path, plan: "Plan", slots: dict[str, Slot], device: torch.device,
               quant: dict | None = None, tied=()) -> "DiskTier | None":
-        from ..planning.planner import Tier
+        from ..planning.placement import Tier
 
         on_disk = {t.name: t for t in plan.tensors if t.tier == Tier.DISK}
         if not on_disk:

@@ -27,7 +27,8 @@ import torch.nn as nn
 
 from ..errors import BudgetError, MoeOffloadError, SelectorError
 from ..model.inventory import component_of, layer_of, TensorRecord
-from ..planning.planner import GiB, Plan, Policy, Tier, matches_selector
+from ..planning.planner import matches_selector
+from ..planning.placement import GiB, Plan, Policy, Tier
 from ..model.roles import Role, classify
 from ..storage.host import HostArena, resolve_device
 
