@@ -1,20 +1,7 @@
 """The planner on hand-built inventories: every tier asserted, every byte count derived by hand.
 
-Toy MoE layer used throughout (bfloat16, 2 bytes per element; hidden 8, E=4 experts, top-k 2):
-
-    model.layers.L.input_layernorm.weight            (8,)       16 B   norm
-    model.layers.L.self_attn.q_proj.weight           (8, 8)    128 B   attention
-    model.layers.L.self_attn.o_proj.weight           (8, 8)    128 B   attention
-    model.layers.L.post_attention_layernorm.weight   (8,)       16 B   norm
-    model.layers.L.mlp.gate.weight                   (4, 8)     64 B   router
-    model.layers.L.mlp.experts.gate_up_proj          (4, 8, 8) 512 B   routed expert
-    model.layers.L.mlp.experts.down_proj             (4, 8, 4) 256 B   routed expert
-                                                              -----
-                                                     layer   1120 B   (experts 768 B, dense 352 B)
-
-Around the layers: model.embed_tokens.weight (16, 8) 256 B (vocab 16: density 1/16),
-model.norm.weight (8,) 16 B, lm_head.weight (16, 8) 256 B.
-Routed-expert density at batch b: 1 - (1 - 2/4)^b = 1/2 at b=1, 15/16 at b=4.
+The toy model (one MoE layer of 1120 B: experts 768 B, dense 352 B; embedding, final norm, LM head) and its
+byte counts are in fixtures_records.py.
 """
 
 from __future__ import annotations
