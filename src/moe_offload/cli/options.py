@@ -83,7 +83,7 @@ def read_plan_of(args, path: Path, *, also: tuple = ()):
                               "--plan alone, or budget options without it")
     plan_path, model_arg = args.plan, args.model
     try:
-        plan = Plan.from_json(Path(plan_path).read_text())
+        plan = Plan.from_json(Path(plan_path).read_text(), source=f"--plan {plan_path}")
     except OSError as exc:
         raise MoeOffloadError(f"cannot read --plan {plan_path}: {exc.strerror}; save one with `moe-offload "
                               "plan MODEL --save PLAN.json`") from exc

@@ -95,7 +95,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     source = "the plan"
     if isinstance(plan, (str, Path)):
         source = f"plan {plan}"
-        plan = Plan.from_json(Path(plan).read_text())
+        plan = Plan.from_json(Path(plan).read_text(), source=f"plan {plan}")
     if plan is None:
         plan = make_plan(inv, **budget)
     elif any(v is not None for v in budget.values()):

@@ -251,7 +251,7 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str, *, source: str | None = None) -> "Plan":
         """A saved plan, every field's type checked and older forms read as today's (plan_json.py); whether it
         fits a model is plan_check.check_plan's question."""
         from ..errors import MoeOffloadError
@@ -265,7 +265,8 @@ class Plan:
                     raise ValueError(problem)
             return cls(tensors, **fields)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise MoeOffloadError(f"not a moe-offload plan ({type(exc).__name__}: {exc}); save one with "
+            what = f"{source} is not" if source else "not"
+            raise MoeOffloadError(f"{what} a moe-offload plan ({type(exc).__name__}: {exc}); save one with "
                                   "`moe-offload plan MODEL --save PLAN.json`") from exc
 
 
