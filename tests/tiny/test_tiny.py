@@ -12,8 +12,9 @@ import transformers
 from safetensors import safe_open
 
 from moe_offload.prompts import CORPUS, PROMPTS
-from moe_offload.tiny.families import AUTO_CLASSES, FAMILIES
+from moe_offload.tiny.families import AUTO_CLASSES, FAMILIES, RELEASED_TRANSPOSED
 from moe_offload.tiny.make import make_tiny
+from moe_offload.tiny.released import transpose_in_place
 from fixtures_cli import unwritable_dir
 
 REQUIRED_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen3_vl_moe")
@@ -262,7 +263,8 @@ def _headers(folder: Path) -> dict[str, tuple[tuple[int, ...], str, str]]:
 
 def _save_pretrained_reference(made: Path, dest: Path, dtype: str, **save_kwargs) -> Path:
     """The folder save_pretrained writes for the config `made` holds, at `dtype` the way users get it: float32
-    from from_config, half precision through from_pretrained(dtype=...), which applies the keep-in-fp32 rules."""
+    from from_config, half precision through from_pretrained(dtype=...), which applies the keep-in-fp32 rules.
+    Then make-tiny's one departure: the fused experts released checkpoints store transposed (Qwen3-VL-MoE)."""
     import tempfile
 
     config = transformers.AutoConfig.from_pretrained(made)
@@ -271,12 +273,14 @@ def _save_pretrained_reference(made: Path, dest: Path, dtype: str, **save_kwargs
     model.generation_config = transformers.GenerationConfig.from_pretrained(made)
     if dtype == "float32":
         model.save_pretrained(dest, **save_kwargs)
-        return dest
-    with tempfile.TemporaryDirectory(dir=dest.parent) as scratch:
-        model.save_pretrained(scratch)
-        half = auto.from_pretrained(scratch, dtype=getattr(torch, dtype))
-        half.generation_config = model.generation_config
-        half.save_pretrained(dest, **save_kwargs)
+    else:
+        with tempfile.TemporaryDirectory(dir=dest.parent) as scratch:
+            model.save_pretrained(scratch)
+            half = auto.from_pretrained(scratch, dtype=getattr(torch, dtype))
+            half.generation_config = model.generation_config
+            half.save_pretrained(dest, **save_kwargs)
+    if config.model_type in RELEASED_TRANSPOSED:
+        assert transpose_in_place(dest, RELEASED_TRANSPOSED[config.model_type])
     return dest
 
 
@@ -339,7 +343,10 @@ def test_streamed_values_follow_the_family_s_init(tmp_path, family):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             ref = auto.from_config(config, dtype=torch.float32)
-        refs.append(revert_weight_conversion(ref, ref.state_dict()))
+        state = revert_weight_conversion(ref, ref.state_dict())
+        for key in [k for k in state if k.endswith(RELEASED_TRANSPOSED.get(family, ()))]:
+            state[key] = state[key].transpose(1, 2)   # stored as the released checkpoints store it
+        refs.append(state)
     assert set(ours) == set(refs[0])
     checked = 0
     for key, value in ours.items():

@@ -189,6 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer (default 8)")
     t.add_argument("--top-k", type=int, default=2, help="experts each token is routed to (default 2)")
     t.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
+    t.add_argument("--heads", type=int, default=4, help="attention (query) heads (default 4)")
+    t.add_argument("--kv-heads", type=int, help="key/value heads (default heads / 2, or heads where that is odd; "
+                   "always heads for deepseek_v2/v3 and olmoe)")
+    t.add_argument("--head-dim", type=int, help="width of each attention head (default hidden / heads); families "
+                   "with a head_dim field (qwen3_moe, mixtral, gpt_oss, ...) take any multiple of 4 whatever the "
+                   "hidden size, e.g. 64 or 128 as engines' kernels expect")
     t.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     t.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
                    help="dtype of the saved (unquantized) weights (default float32; bfloat16 with --quant, as the "

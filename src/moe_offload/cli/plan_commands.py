@@ -122,7 +122,8 @@ def cmd_make_tiny(args) -> int:
 
     try:
         out = make_tiny(args.dir, family=args.family, layers=args.layers, experts=args.experts, top_k=args.top_k,
-                        hidden=args.hidden, seed=args.seed, dtype=args.dtype, quant=args.quant)
+                        hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                        seed=args.seed, dtype=args.dtype, quant=args.quant)
     except ValueError as exc:
         raise MoeOffloadError(str(exc)) from exc
     except OSError as exc:

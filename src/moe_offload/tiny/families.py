@@ -5,7 +5,12 @@ then the family's own row of `FIELDS` (which maps the generic sizes onto the fam
 fixed values), then the fields that depend on more than one size (layer counts, MLA ranks: `_DERIVED`).
 Qwen3-VL-MoE nests these text fields under `text_config`, beside a small vision tower. The routers'
 limits (`MIN_EXPERTS`, `EXACT_TOP_K`) and the families written quantized (`QUANT_FAMILIES`, `quant_skips`)
-are here too; make.py checks the arguments against them.
+are here too; make.py checks the arguments against them. So are the attention rules heads.py applies
+(`HEAD_DIM_FIELD`, `KV_HEADS_ARE_HEADS`) and the expert tensors stored as released (`RELEASED_TRANSPOSED`).
+
+Where a tiny model could depart from the released ones, it follows them, as llama.cpp's converter and
+loader expect them (the comments at each row say what and where): OLMoE's key/value heads, DeepSeek-V2's
+compressed queries, DeepSeek's scoring_func, Qwen3-VL-MoE's expert orientation on disk.
 """
 
 from __future__ import annotations
@@ -15,12 +20,12 @@ import enum
 from typing import Any, Callable
 
 __all__ = ["FAMILIES", "AUTO_CLASSES", "QUANT_FAMILIES", "MIN_EXPERTS", "EXACT_TOP_K", "HEADS", "MAX_POSITIONS",
-           "family_config", "quant_skips"]
+           "HEAD_DIM_FIELD", "KV_HEADS_ARE_HEADS", "RELEASED_TRANSPOSED", "family_config", "quant_skips"]
 
-# Attention heads in every tiny model. Four heads with two KV heads exercises grouped-query
-# attention while keeping the per-head size reasonable at hidden=64.
+# Attention heads of a tiny model unless make-tiny is given --heads / --kv-heads / --head-dim (heads.py
+# resolves them). Four heads with two KV heads exercises grouped-query attention while keeping the
+# per-head size reasonable at hidden=64.
 HEADS = 4
-KV_HEADS = 2
 # Short context: the tiny models only ever see prompts of a few dozen tokens, and the
 # rotary/position tables then stay negligible next to the expert weights.
 MAX_POSITIONS = 512
@@ -31,12 +36,13 @@ class Size(enum.Enum):
 
     EXPERTS = "experts"
     TOP_K = "top_k"
+    HEADS = "heads"
     HEAD_DIM = "head_dim"
     EXPERT_FFN = "expert_ffn"   # 1.5 * hidden
     DENSE_FFN = "dense_ffn"     # 2 * hidden
 
 
-E, K, HD, XF, DF = Size.EXPERTS, Size.TOP_K, Size.HEAD_DIM, Size.EXPERT_FFN, Size.DENSE_FFN
+E, K, H, HD, XF, DF = Size.EXPERTS, Size.TOP_K, Size.HEADS, Size.HEAD_DIM, Size.EXPERT_FFN, Size.DENSE_FFN
 
 # --- one row of config fields per family ---------------------------------------------------
 # Each maps the generic (experts, top_k, hidden) onto the family's own field names: a Size is
@@ -55,10 +61,14 @@ FIELDS: dict[str, dict[str, Any]] = {
     # Mixtral has no dense FFN: intermediate_size is each expert's width.
     "mixtral": dict(head_dim=HD, intermediate_size=XF, num_local_experts=E, num_experts_per_tok=K),
     # DeepSeek-V3: MLA (see _deepseek_mla), group-limited routing with one group: valid for any
-    # expert count, still runs the group-selection code path.
-    "deepseek_v3": dict(num_key_value_heads=HEADS,  # MLA has no grouped KV heads
+    # expert count, still runs the group-selection code path. scoring_func is no field of transformers'
+    # config (its router is always sigmoid) but released config.json files carry it, and llama.cpp's
+    # converter reads it (TextModel.set_gguf_parameters: scoring_func -> expert_gating_func; its loader
+    # falls back to softmax without it).
+    "deepseek_v3": dict(num_key_value_heads=H,  # MLA has no grouped KV heads
                         intermediate_size=DF, moe_intermediate_size=XF, n_routed_experts=E,
-                        num_experts_per_tok=K, n_shared_experts=1, n_group=1, topk_group=1),
+                        num_experts_per_tok=K, n_shared_experts=1, n_group=1, topk_group=1,
+                        scoring_func="sigmoid"),
     "gpt_oss": dict(
         head_dim=HD,
         intermediate_size=XF,  # gpt-oss has only expert FFNs
@@ -81,14 +91,20 @@ FIELDS: dict[str, dict[str, Any]] = {
     # no norm_topk_prob (always normalised).
     "qwen3_vl_moe": dict(head_dim=HD, intermediate_size=DF, moe_intermediate_size=XF, num_experts=E,
                          num_experts_per_tok=K, model_type="qwen3_vl_moe_text"),
-    "olmoe": dict(intermediate_size=XF,  # OLMoE: expert width, no dense FFN
-                  num_experts=E, num_experts_per_tok=K),
+    # OLMoE: intermediate_size is the expert width (no dense FFN). As many KV heads as query heads, as in
+    # the released OLMoE-1B-7B (16 and 16): its q_norm / k_norm span the whole projection, and llama.cpp
+    # sizes attn_k_norm as the hidden size.
+    "olmoe": dict(intermediate_size=XF, num_key_value_heads=H, num_experts=E, num_experts_per_tok=K),
     "phimoe": dict(intermediate_size=XF, num_local_experts=E, num_experts_per_tok=K),
     "granitemoe": dict(intermediate_size=XF, num_local_experts=E, num_experts_per_tok=K),
-    # DeepSeek-V2-Lite style: no query compression, plain greedy top-k routing.
-    "deepseek_v2": dict(num_key_value_heads=HEADS,  # MLA has no grouped KV heads
+    # Full DeepSeek-V2 style (DeepSeek-V2 / -V2.5 / Coder-V2, not -Lite): compressed queries (q_lora_rank,
+    # _deepseek_q_lora) and group-limited greedy routing, here over one group (valid for any expert count; the
+    # group-selection code path still runs). llama.cpp reads the Lite layout (no q_lora_rank) only from
+    # checkpoints of Lite's 26/27 layers, so a 2-layer Lite could not load there.
+    "deepseek_v2": dict(num_key_value_heads=H,  # MLA has no grouped KV heads
                         intermediate_size=DF, moe_intermediate_size=XF, n_routed_experts=E,
-                        num_experts_per_tok=K, n_shared_experts=1, q_lora_rank=None, topk_method="greedy"),
+                        num_experts_per_tok=K, n_shared_experts=1, topk_method="group_limited_greedy",
+                        n_group=1, topk_group=1, scoring_func="softmax"),  # as released (see deepseek_v3)
     "glm4_moe": dict(head_dim=HD, intermediate_size=DF, moe_intermediate_size=XF, n_routed_experts=E,
                      num_experts_per_tok=K, n_shared_experts=1, n_group=1, topk_group=1),
     "qwen3_next": dict(head_dim=HD, intermediate_size=DF, moe_intermediate_size=XF,
@@ -100,6 +116,32 @@ FIELDS: dict[str, dict[str, Any]] = {
 }
 
 FAMILIES: tuple[str, ...] = tuple(FIELDS)
+
+# Families whose attention head size is a config field of its own, so hidden need not be heads x head_dim
+# (Qwen3-30B-A3B: hidden 2048, 32 heads of 128; gpt-oss: 2880, 64 of 64): the ones whose row writes
+# head_dim. DeepSeek's MLA sizes its heads by qk_nope/qk_rope/v_head_dim (_deepseek_mla), never by hidden:
+# make-tiny's head_dim sets those. Every other family's transformers, vLLM and llama.cpp code takes a
+# head as hidden / heads wide.
+HEAD_DIM_FIELD: frozenset[str] = frozenset(
+    [f for f, row in FIELDS.items() if row.get("head_dim") is HD] + ["deepseek_v3", "deepseek_v2"])
+
+# Families whose key/value heads are always as many as the query heads, and why.
+KV_HEADS_ARE_HEADS: dict[str, str] = {
+    "deepseek_v3": "multi-head latent attention has no grouped key/value heads",
+    "deepseek_v2": "multi-head latent attention has no grouped key/value heads",
+    "olmoe": "released OLMoE has as many key/value heads as query heads, and its q_norm/k_norm (and llama.cpp's "
+             "attn_k_norm) span the hidden size",
+}
+
+# Fused expert tensors that released checkpoints store transposed from what transformers holds in memory,
+# and so from what its save_pretrained writes (its reverse of `Transpose(check_dims=True)` keeps the in-memory
+# shape). Released Qwen3-VL-30B-A3B stores `experts.gate_up_proj` [E, H, 2I] and `down_proj` [E, I, H];
+# transformers' conversion mapping for qwen3_vl_moe transposes them to [E, 2I, H] / [E, H, I] at load, and
+# llama.cpp's converter (Qwen3VLMoeTextModel) splits gate_up_proj along its last dim, expecting [E, H, 2I].
+# make-tiny writes them as released (released.py).
+RELEASED_TRANSPOSED: dict[str, tuple[str, ...]] = {
+    "qwen3_vl_moe": (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"),
+}
 
 # The transformers Auto class that loads each family for text generation. transformers 5.x
 # registers Qwen3-VL-MoE only under image-text-to-text (Qwen3VLMoeForConditionalGeneration),
@@ -125,7 +167,8 @@ def _deepseek_mla(p: dict[str, Any]) -> dict[str, Any]:
                 **_first_dense(p))
 
 
-def _deepseek_v3(p: dict[str, Any]) -> dict[str, Any]:
+def _deepseek_q_lora(p: dict[str, Any]) -> dict[str, Any]:
+    """Compressed queries, as the released DeepSeek-V3 and full DeepSeek-V2 have (q_lora_rank 1536)."""
     return dict(_deepseek_mla(p), q_lora_rank=p["hidden"] // 2)
 
 
@@ -163,8 +206,8 @@ def _jamba(p: dict[str, Any]) -> dict[str, Any]:
 
 
 _DERIVED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "deepseek_v3": _deepseek_v3,
-    "deepseek_v2": _deepseek_mla,
+    "deepseek_v3": _deepseek_q_lora,
+    "deepseek_v2": _deepseek_q_lora,
     "glm4_moe": _first_dense,
     "qwen3_vl_moe": _qwen3_vl_moe,
     "qwen3_next": _qwen3_next,
@@ -178,8 +221,8 @@ def _common(p: dict[str, Any]) -> dict[str, Any]:
         vocab_size=p["vocab_size"],
         hidden_size=p["hidden"],
         num_hidden_layers=p["layers"],
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
+        num_attention_heads=p["heads"],
+        num_key_value_heads=p["kv_heads"],
         max_position_embeddings=MAX_POSITIONS,
         initializer_range=p["init_std"],
         tie_word_embeddings=False,

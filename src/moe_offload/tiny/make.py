@@ -12,13 +12,14 @@ writes it as an ordinary Hugging Face model folder:
   (:mod:`moe_offload.formats.stream_save`), so peak memory is a few times the largest tensor,
   not the model. Per-expert tensors (``...experts.3.down_proj.weight``) for the
   Qwen/Mixtral/DeepSeek/OLMoE/PhiMoE/GLM/Jamba families, fused ``[E, ...]`` tensors for
-  gpt-oss, GraniteMoE and Qwen3-VL-MoE. (For Qwen3-VL-MoE transformers writes its
-  in-memory orientation, ``gate_up_proj`` ``[E, 2*I, H]``; released checkpoints store
-  ``[E, H, 2*I]``, and transformers' loader accepts both.) In half precision, tensors that
+  gpt-oss, GraniteMoE and Qwen3-VL-MoE. One departure, toward the released checkpoints: for
+  Qwen3-VL-MoE save_pretrained writes its in-memory orientation, ``gate_up_proj`` ``[E, 2*I, H]``,
+  where released checkpoints (and llama.cpp's converter) have ``[E, H, 2*I]``: make-tiny writes the
+  released one (released.py; transformers' loader accepts both). In half precision, tensors that
   transformers keeps in float32 (``_keep_in_fp32_modules``, e.g. DeepSeek/GLM router
   weights, gpt-oss norms in float16) stay float32 on disk too;
-* a byte-level BPE tokenizer trained on :data:`moe_offload.prompts.CORPUS` (tokenizer.py;
-  ``tokenizer.json`` + ``tokenizer_config.json``);
+* a BPE tokenizer trained on :data:`moe_offload.prompts.CORPUS` (tokenizer.py: byte-level, or
+  SentencePiece-style for Jamba; ``tokenizer.json`` + ``tokenizer_config.json``);
 * ``moe_offload_tiny.json`` recording the arguments it was made with.
 
 The folder loads offline with ``AutoTokenizer.from_pretrained(dir)`` and the Auto class
@@ -27,8 +28,8 @@ family except ``qwen3_vl_moe``, which transformers only registers as an image-te
 Nothing is downloaded. The same arguments always give byte-identical weights. A progress bar
 (bytes written) shows on a terminal.
 
-Here: the argument and target checks, and the writing. Each family's config fields are families.py's,
-the quantized rewrite (``quant=``) quantize.py's.
+Here: the argument and target checks, and the writing. Each family's config fields are families.py's, its
+attention heads heads.py's, the quantized rewrite (``quant=``) quantize.py's.
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .families import (AUTO_CLASSES, EXACT_TOP_K, FAMILIES, HEADS, MAX_POSITIONS, MIN_EXPERTS, QUANT_FAMILIES,
-                       family_config, quant_skips)
-from .tokenizer import BYTE_ALPHABET, SPECIAL_TOKENS, VISION_TOKENS, build_tokenizer
+from .families import (AUTO_CLASSES, EXACT_TOP_K, FAMILIES, MAX_POSITIONS, MIN_EXPERTS, QUANT_FAMILIES,
+                       RELEASED_TRANSPOSED, family_config, quant_skips)
+from .heads import attention_sizes, invalid
+from .tokenizer import BYTE_ALPHABET, VISION_TOKENS, build_tokenizer, family_special_tokens
 
 __all__ = ["DTYPES", "make_tiny"]
 
@@ -51,14 +53,10 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
-def _fail(what: str, why: str, fix: str) -> ValueError:
-    return ValueError(f"{what}: {why}. Fix: {fix}.")
-
-
 def _canonical_dtype(dtype: str) -> str:
     name = _DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower())
     if name not in DTYPES:
-        raise _fail(
+        raise invalid(
             f"unsupported dtype {dtype!r}",
             f"tiny checkpoints are written in one of {', '.join(DTYPES)}",
             "pass dtype='float32', 'bfloat16' or 'float16'",
@@ -77,42 +75,44 @@ def _check_args(
         )
     for name, value in (("layers", layers), ("experts", experts), ("top_k", top_k), ("hidden", hidden)):
         if isinstance(value, bool) or not isinstance(value, int):
-            raise _fail(f"{name}={value!r} is not an integer", f"{name} counts model units", "pass an int")
+            raise invalid(f"{name}={value!r} is not an integer", f"{name} counts model units", "pass an int")
     if layers < 1:
-        raise _fail(f"layers={layers} is invalid", "a model needs at least one decoder layer", "pass layers >= 1")
+        raise invalid(f"layers={layers} is invalid", "a model needs at least one decoder layer", "pass layers >= 1")
     if experts < 1:
-        raise _fail(f"experts={experts} is invalid", "an MoE layer needs at least one routed expert", "pass experts >= 1")
+        raise invalid(f"experts={experts} is invalid", "an MoE layer needs at least one routed expert",
+                      "pass experts >= 1")
     if top_k < 1 or top_k > experts:
-        raise _fail(
+        raise invalid(
             f"top_k={top_k} is invalid for experts={experts}",
             "each token is routed to top_k distinct experts, so 1 <= top_k <= experts",
             f"pass a top_k between 1 and {experts}, or more experts",
         )
     min_e = MIN_EXPERTS.get(family, 1)
     if experts < min_e:
-        raise _fail(
+        raise invalid(
             f"experts={experts} is too few for {family}",
             f"its group-limited router ranks each expert group by its best {min_e} experts",
             f"pass experts >= {min_e}",
         )
     exact_k = EXACT_TOP_K.get(family)
     if exact_k is not None and top_k != exact_k:
-        raise _fail(
+        raise invalid(
             f"top_k={top_k} is not supported for {family}",
             f"its sparsemixer router always selects exactly {exact_k} experts",
             f"pass top_k={exact_k}",
         )
-    if hidden < 16 or hidden % (HEADS * 4) != 0:
-        raise _fail(
+    if hidden < 16 or hidden % 16 != 0:
+        raise invalid(
             f"hidden={hidden} is invalid",
-            f"it must split into {HEADS} attention heads whose size is divisible by 4 "
-            "(rotary embeddings rotate pairs, and partial/decoupled rotary uses half a head)",
-            f"pass a multiple of {HEADS * 4}, e.g. 64",
+            "it must be a multiple of 16, so that the sizes derived from it (experts 1.5 x hidden wide, "
+            "half-size latent ranks and vision tower, 4 default heads rotated in pairs) stay whole",
+            "pass a multiple of 16, e.g. 64",
         )
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < BYTE_ALPHABET + n_special:
-        raise _fail(
+        raise invalid(
             f"vocab_size={vocab_size!r} is too small",
-            f"a byte-level tokenizer needs all {BYTE_ALPHABET} byte tokens plus {n_special} special tokens",
+            f"the tokenizer needs all {BYTE_ALPHABET} byte tokens (its byte-level alphabet or byte fallback) plus "
+            f"{n_special} special tokens",
             f"pass vocab_size >= {BYTE_ALPHABET + n_special}",
         )
 
@@ -121,14 +121,14 @@ def _check_quant(quant: str | None, family: str, hidden: int) -> None:
     if quant is None:
         return
     if quant not in QUANT_FAMILIES:
-        raise _fail(f"unknown quant {quant!r}", "tiny checkpoints are quantized as fp8 or mxfp4",
+        raise invalid(f"unknown quant {quant!r}", "tiny checkpoints are quantized as fp8 or mxfp4",
                     "pass quant='fp8' or quant='mxfp4'")
     if family not in QUANT_FAMILIES[quant]:
-        raise _fail(f"quant={quant!r} is not available for {family}",
+        raise invalid(f"quant={quant!r} is not available for {family}",
                     f"{quant} checkpoints are written for {', '.join(QUANT_FAMILIES[quant])}",
                     "pick one of these families, or another quant")
     if quant == "mxfp4" and hidden % 64:
-        raise _fail(f"hidden={hidden} is invalid for mxfp4",
+        raise invalid(f"hidden={hidden} is invalid for mxfp4",
                     "MXFP4 groups 32 values along each input dimension: the hidden size and the experts' "
                     "width (1.5 x hidden) must both be multiples of 32", "pass a multiple of 64, e.g. 64")
 
@@ -175,6 +175,9 @@ def make_tiny(
     experts: int = 8,
     top_k: int = 2,
     hidden: int = 64,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
     seed: int = 0,
     dtype: str | None = None,
     vocab_size: int = 512,
@@ -185,11 +188,18 @@ def make_tiny(
     """Write a tiny random-weight MoE model folder of the given ``family`` to ``out_dir``.
 
     ``layers`` decoder layers, ``experts`` routed experts per MoE layer of which ``top_k``
-    are used per token, hidden size ``hidden`` (4 attention heads), weights drawn from
+    are used per token, hidden size ``hidden`` (a multiple of 16), weights drawn from
     ``seed`` and saved in ``dtype`` ("float32", "bfloat16" or "float16"; "fp32", "bf16",
     "fp16" also accepted; default float32, bfloat16 with ``quant``), and a tokenizer of
-    exactly ``vocab_size`` tokens (at least 260; 264 for qwen3_vl_moe, whose vision
-    placeholders are special tokens). Returns the folder's absolute path.
+    exactly ``vocab_size`` tokens (at least 260; 264 for qwen3_vl_moe and glm4_moe, whose vision
+    placeholders / GLM tokens are special tokens). Returns the folder's absolute path.
+
+    Attention: ``heads`` query heads (default 4), ``kv_heads`` key/value heads (default heads // 2, or
+    heads where that is odd; always heads for DeepSeek's MLA and OLMoE) of ``head_dim`` each (default
+    hidden // heads; a multiple of 4). Families with a head_dim field of their own
+    (:data:`moe_offload.tiny.families.HEAD_DIM_FIELD`: Qwen3-MoE, Mixtral, gpt-oss, ...) take any head_dim
+    whatever the hidden size, as the released ones do (Qwen3-30B-A3B: hidden 2048, 32 x 128); the others
+    need hidden == heads x head_dim (:mod:`moe_offload.tiny.heads`).
 
     ``quant`` ("fp8" or "mxfp4", see :data:`moe_offload.tiny.families.QUANT_FAMILIES`) then rewrites the
     weights in the on-disk format the released models use
@@ -209,11 +219,12 @@ def make_tiny(
     """
     # Released quantized checkpoints keep their unquantized tensors in bfloat16.
     dtype = _canonical_dtype(dtype if dtype is not None else ("bfloat16" if quant else "float32"))
-    specials = SPECIAL_TOKENS + (VISION_TOKENS if family == "qwen3_vl_moe" else ())
-    _check_args(family, layers, experts, top_k, hidden, vocab_size, len(specials))
+    _check_args(family, layers, experts, top_k, hidden, vocab_size,
+                len(family_special_tokens(family)) if family in FAMILIES else 0)
+    attn = attention_sizes(family, hidden, heads, kv_heads, head_dim)
     _check_quant(quant, family, hidden)
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise _fail(f"seed={seed!r} is not an integer", "it seeds torch's generator", "pass an int")
+        raise invalid(f"seed={seed!r} is not an integer", "it seeds torch's generator", "pass an int")
     out = Path(out_dir).expanduser().absolute()
     _check_target(out)
 
@@ -222,11 +233,13 @@ def make_tiny(
     import transformers
     from transformers import AutoConfig, GenerationConfig
 
-    tokenizer = build_tokenizer(vocab_size, specials, MAX_POSITIONS)
+    tokenizer = build_tokenizer(vocab_size, family, MAX_POSITIONS)
     params: dict[str, Any] = dict(
         vocab_size=len(tokenizer),
         hidden=hidden,
-        head_dim=hidden // HEADS,
+        heads=attn.heads,
+        kv_heads=attn.kv_heads,
+        head_dim=attn.head_dim,
         expert_ffn=3 * hidden // 2,
         dense_ffn=2 * hidden,
         layers=layers,
@@ -263,6 +276,10 @@ def make_tiny(
         tmp.chmod(0o755)
         _write_weights(model, tmp, seed=seed, max_shard_size=max_shard_size,
                        progress=_stderr_is_terminal() if progress is None else progress)
+        if family in RELEASED_TRANSPOSED:
+            from .released import transpose_in_place
+
+            transpose_in_place(tmp, RELEASED_TRANSPOSED[family])
         if quant is not None:
             from ..formats.quant import QuantFormat
             from .quantize import quantize_checkpoint
@@ -276,6 +293,9 @@ def make_tiny(
             "experts": experts,
             "top_k": top_k,
             "hidden": hidden,
+            "heads": attn.heads,
+            "kv_heads": attn.kv_heads,
+            "head_dim": attn.head_dim,
             "seed": seed,
             "dtype": dtype,
             "quant": quant,

@@ -1,12 +1,36 @@
-"""The tiny models' tokenizer: a byte-level BPE trained here on :data:`moe_offload.prompts.CORPUS`.
+"""The tiny models' tokenizer: a BPE trained here on :data:`moe_offload.prompts.CORPUS`, in the style of the family.
 
 `build_tokenizer` trains it with exactly the vocabulary size asked for (topped up with reserved special
-tokens); make.py saves it beside the weights as ``tokenizer.json`` + ``tokenizer_config.json``.
+tokens); make.py saves it beside the weights as ``tokenizer.json`` + ``tokenizer_config.json``. Two styles:
+
+- byte-level BPE (GPT-2's pipeline: `pre_tokenizers.ByteLevel`, whose split regex is GPT-2's
+  ``'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+`` over GPT-2's byte-to-unicode
+  alphabet, no prefix space, merges not ignored), for every family but those below;
+- SentencePiece-style BPE (`SENTENCEPIECE_STYLE`: Jamba), as the released Llama-family tokenizer.json files
+  are: ``▁`` for spaces (Metaspace; no dummy prefix, as Jamba's), 256 ``<0xNN>`` byte-fallback tokens in the
+  vocabulary, and a ByteFallback/Fuse/Replace decoder. llama.cpp's converter reads Jamba's vocabulary only from a
+  SentencePiece ``tokenizer.model`` or from such a tokenizer.json (`gguf.LlamaHfVocab`: BPE with
+  ``byte_fallback`` and a ``Sequence`` decoder); it has no byte-level fallback for Jamba.
+
+Family special tokens (`FAMILY_TOKENS`) sit beside ``<unk> <s> </s> <pad>``: Qwen3-VL's vision placeholders
+(looked up in input_ids), and the GLM-4.5 tokens llama.cpp's converter looks up by name (`_set_vocab_glm`:
+``[gMASK]`` as BOS, ``<|user|>`` as EOT, ``<|endoftext|>`` as UNK, ``<|observation|>`` as EOM).
+
+llama.cpp and the byte-level tokenizer: the converter names a BPE pre-tokenizer by hashing the ids a fixed
+text encodes to (`get_vocab_base_pre`, chkhsh). Those ids depend on the vocabulary, so a vocabulary trained
+here never hashes to a known name, and a known tokenizer's vocabulary cannot be had here (no hub). It is kept,
+and the converter is told its pre-tokenizer: **"gpt-2"**. That name maps to llama.cpp's
+LLAMA_VOCAB_PRE_TYPE_GPT2, whose split is exactly the regex above (llama-vocab.cpp; unicode.cpp runs it as
+`unicode_regex_split_custom_gpt2`, written for that very regex including its trailing ``\\s+``), over GPT-2 byte
+encoding with merges applied as ranked, as `tokenizers`' ByteLevel + BPE do. "qwen2" or "llama-bpe" would be
+wrong: their regexes split digits one by one / case-insensitive contractions and 1-3 digit groups. The token
+ids then agree between transformers and llama.cpp for text prompts, not only for token-id ones.
 """
 
 from __future__ import annotations
 
-__all__ = ["SPECIAL_TOKENS", "VISION_TOKENS", "BYTE_ALPHABET", "build_tokenizer"]
+__all__ = ["SPECIAL_TOKENS", "VISION_TOKENS", "GLM_TOKENS", "FAMILY_TOKENS", "SENTENCEPIECE_STYLE",
+           "BYTE_ALPHABET", "LLAMA_CPP_PRE_TOKENIZER", "family_special_tokens", "build_tokenizer"]
 
 # Special tokens of the tiny tokenizer. Llama order (<unk>, <s>, </s>) plus a pad token.
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
@@ -14,15 +38,29 @@ SPECIAL_TOKENS = (UNK, BOS, EOS, PAD)
 # Qwen3-VL looks these ids up in input_ids; give them real tokens inside the tiny vocab
 # instead of Qwen's 151k-range ids, which would be out of range for a 512-token embedding.
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-BYTE_ALPHABET = 256  # a byte-level BPE always keeps all 256 byte symbols
+# Released GLM-4.5 / 4.6 tokenizers' special tokens that llama.cpp's converter looks up (in their order there:
+# ids 151329, 151331, 151336, 151338).
+GLM_TOKENS = ("<|endoftext|>", "[gMASK]", "<|user|>", "<|observation|>")
+FAMILY_TOKENS: dict[str, tuple[str, ...]] = {"qwen3_vl_moe": VISION_TOKENS, "glm4_moe": GLM_TOKENS}
+# Families whose released tokenizer is SentencePiece BPE, and whose llama.cpp converter reads nothing else.
+SENTENCEPIECE_STYLE = frozenset({"jamba"})
+BYTE_ALPHABET = 256  # all 256 byte symbols: a byte-level alphabet, or SentencePiece's <0xNN> byte fallback
+# The name llama.cpp's converter is to be given for the byte-level tokenizer (see the module docstring).
+LLAMA_CPP_PRE_TOKENIZER = "gpt-2"
+_SPACE = "\u2581"  # SentencePiece's visible space, ▁
 
 
-def build_tokenizer(vocab_size: int, specials: tuple[str, ...], max_len: int):
-    """Train a byte-level BPE on the built-in corpus with exactly ``vocab_size`` tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+def family_special_tokens(family: str) -> tuple[str, ...]:
+    """The special tokens of `family`'s tiny tokenizer, in id order from 0."""
+    return SPECIAL_TOKENS + FAMILY_TOKENS.get(family, ())
 
-    from ..prompts import CORPUS, PROMPTS
+
+def _byte_tokens() -> list[str]:
+    return [f"<0x{i:02X}>" for i in range(BYTE_ALPHABET)]
+
+
+def _byte_level(vocab_size: int, specials: tuple[str, ...]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=UNK))
     # GPT-2 style byte-level pipeline: any UTF-8 text encodes without <unk>, and decoding
@@ -35,8 +73,54 @@ def build_tokenizer(vocab_size: int, specials: tuple[str, ...], max_len: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    texts = [para for para in CORPUS.split("\n\n") if para.strip()] + list(PROMPTS)
+    return tok, trainer
+
+
+def _sentencepiece_style(vocab_size: int, specials: tuple[str, ...], texts: list[str]):
+    """A Llama-style BPE: Metaspace words, <0xNN> byte fallback for any character outside the vocabulary."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=UNK, fuse_unk=True))
+    # Words split at spaces to train (no merge crosses a word); the saved tokenizer does not split, as
+    # Llama's tokenizer.json. No ▁ is prepended to the text: Jamba's SentencePiece model has no dummy prefix
+    # (llama.cpp's converter writes add_space_prefix false for it), so both tokenize text alike.
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPACE, prepend_scheme="never", split=True)
+    fixed = len(specials) + BYTE_ALPHABET
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(specials) + _byte_tokens(),
+        limit_alphabet=max(0, vocab_size - fixed),  # characters beyond it fall back to bytes
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
+    # The byte tokens are ordinary vocabulary entries (as in Llama's tokenizer.json), not added tokens.
+    data = json.loads(tok.to_str())
+    byte_names = set(_byte_tokens())
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] not in byte_names]
+    data["model"]["byte_fallback"] = True
+    tok = Tokenizer.from_str(json.dumps(data))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPACE, prepend_scheme="never", split=False)
+    # Bytes first, then ▁ -> space: a ▁ that fell back to bytes (a vocabulary too small to hold it) is a space too.
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(), decoders.Replace(_SPACE, " ")])
+    return tok
+
+
+def build_tokenizer(vocab_size: int, family: str, max_len: int):
+    """Train `family`'s tiny tokenizer on the built-in corpus with exactly ``vocab_size`` tokens."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    from ..prompts import CORPUS, PROMPTS
+
+    specials = family_special_tokens(family)
+    texts = [para for para in CORPUS.split("\n\n") if para.strip()] + list(PROMPTS)
+    if family in SENTENCEPIECE_STYLE:
+        tok = _sentencepiece_style(vocab_size, specials, texts)
+    else:
+        tok, trainer = _byte_level(vocab_size, specials)
+        tok.train_from_iterator(texts, trainer=trainer)
     # A few KB of text only supports so many merges; top a large vocab up with reserved
     # special tokens (as Llama 3 and Qwen do) so the size is exactly what was asked for.
     missing = vocab_size - tok.get_vocab_size(with_added_tokens=True)
