@@ -24,6 +24,7 @@ from moe_offload.planning import planner
 from moe_offload.model import published
 from moe_offload.cli.main import main
 from moe_offload.errors import ConfigError
+from moe_offload.engines.engine import Engine
 from moe_offload.engines.export import export
 from moe_offload.engines.vllm import engine_params, gib_value
 from moe_offload.model.inventory import inventory
@@ -235,7 +236,7 @@ def _options(args) -> tuple[int, list[str]]:
 def test_vllm_selectors_and_budget_select_the_placement(inventories):
     for name, label, plan in _cases(inventories):
         e = export(plan, "vllm")
-        params = engine_params(plan)
+        params = engine_params(plan, Engine.VLLM)
         budget, selectors = _options(e.args)
         # The walk takes exactly the placement reported.
         got = _walk(params, selectors, budget)
@@ -265,20 +266,22 @@ def test_vllm_applies_an_explicit_experts_plan_exactly(inventories):
         assert e.expressible, (name, e.notes)
         assert list(e.args[2:]) == ["--cpu-offload-params", "experts"]
         assert e.link_bytes_per_token == pytest.approx(plan.link_bytes_per_token())
-        names = {n for p in engine_params(plan) for n in p.names if planner.matches_selector(n, "experts")}
-        assert names and all(".experts.w13_" in f".{n}" or ".experts.w2_" in f".{n}" for n in names), names
+        names = {n for p in engine_params(plan, Engine.VLLM) for n in p.names if planner.matches_selector(n, "experts")}
+        assert names and all(".experts.routed_experts.w13_" in f".{n}" or ".experts.routed_experts.w2_" in f".{n}"
+                             for n in names), names
 
 
 def test_vllm_names_the_fused_moe_parameters(tmp_path):
     inv = inventory(published.write("deepseek-v3", tmp_path / "ds"))
-    params = engine_params(planner.plan(inv))
+    params = engine_params(planner.plan(inv), Engine.VLLM)
     names = {n for p in params if p.layer == 5 for n in p.names}
-    assert {"mlp.experts.w13_weight", "mlp.experts.w13_weight_scale_inv", "mlp.experts.w2_weight",
-            "mlp.experts.w2_weight_scale_inv", "self_attn.fused_qkv_a_proj.weight",
+    assert {"mlp.experts.routed_experts.w13_weight", "mlp.experts.routed_experts.w13_weight_scale_inv",
+            "mlp.experts.routed_experts.w2_weight", "mlp.experts.routed_experts.w2_weight_scale_inv",
+            "self_attn.fused_qkv_a_proj.weight",
             "mlp.shared_experts.gate_up_proj.weight"} <= names, sorted(names)
     inv = inventory(published.write("mixtral-8x7b", tmp_path / "mx"))
-    names = {n for p in engine_params(planner.plan(inv)) if p.layer == 0 for n in p.names}
-    assert {"block_sparse_moe.experts.w13_weight", "block_sparse_moe.experts.w2_weight",
+    names = {n for p in engine_params(planner.plan(inv), Engine.VLLM) if p.layer == 0 for n in p.names}
+    assert {"block_sparse_moe.experts.routed_experts.w13_weight", "block_sparse_moe.experts.routed_experts.w2_weight",
             "self_attn.qkv_proj.weight"} <= names, sorted(names)
 
 
@@ -287,7 +290,7 @@ def test_sglang_walks_every_layer_parameter_and_reads_them_whole(inventories):
         e = export(plan, "sglang")
         assert "--cpu-offload-params" not in e.args
         budget, _ = _options(e.args)
-        params = engine_params(plan)
+        params = engine_params(plan, Engine.SGLANG)
         taken = _walk(params, [], budget)
         host = {t.name for t in e.placement.tensors if t.tier == "host"}
         assert taken == host, (name, label)

@@ -46,20 +46,38 @@ class Param:
 # vLLM (and SGLang, which shares its layers) stacks these projections into one parameter.
 _STACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
             "up_proj": "gate_up_proj", "q_a_proj": "fused_qkv_a_proj", "kv_a_proj_with_mqa": "fused_qkv_a_proj"}
-# FusedMoE's parameters, whatever the family: w13 is gate and up fused, w2 is down.
+# FusedMoE's parameters, whatever the family: w13 is gate and up fused, w2 is down. vLLM (0.32) holds them in
+# the FusedMoE layer's `routed_experts` submodule (`experts.routed_experts.w13_weight`); SGLang's own FusedMoE
+# keeps them on the layer itself (`experts.w13_weight`).
 _FUSED_MOE = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight", "gate_up_proj_bias": "w13_bias",
               "down_proj_bias": "w2_bias"}
+_ROUTED_HOLDER = {Engine.VLLM: "routed_experts."}
+# Modules vLLM's model classes name otherwise than transformers' (vLLM 0.32: GptOssForCausalLM's attention,
+# GraniteMoeForCausalLM's router).
+_RENAMED = {(Engine.VLLM, "gpt_oss"): (("self_attn.", "attn."),),
+            (Engine.VLLM, "granitemoe"): (("block_sparse_moe.router.layer.", "block_sparse_moe.gate."),)}
+# The order vLLM's MoE decoder layers register their parameters in (vLLM 0.32, every family it runs here):
+# attention, then the MoE block (the router: weight, bias, score-correction bias; the shared expert's gate; the
+# shared expert(s); the routed experts), then the layer's own norms, whatever order transformers declares them in
+# (Qwen2-MoE and GLM-4 declare the routed experts first, GraniteMoE its norms before the MoE block).
+_MOE_ORDER = {"router": 0, "shared_expert_gate": 1, "shared_expert": 2, "routed_expert": 3}
+# Attention modules whose parameters vLLM registers in another order than transformers declares them.
+_ATTENTION_ORDER = {(Engine.VLLM, "olmoe"): ("qkv_proj", "q_norm", "k_norm", "o_proj")}
 
 
-def engine_params(plan: Plan) -> list[Param]:
+def engine_params(plan: Plan, engine: Engine) -> list[Param]:
     """The decoder-layer parameters vLLM/SGLang build for this model, in the order their offloader walks them.
 
-    Names follow vLLM's conventions: FusedMoE `experts.w13_weight` / `w2_weight` (`_bias`), stacked
-    `qkv_proj` / `gate_up_proj` / `fused_qkv_a_proj`, the checkpoint's module names (transformers'
-    renamings undone), and the scale parameters of FP8 (`weight_scale_inv`) and MXFP4 (`weight_scale`)
-    weights. The order within a layer is transformers' declaration order.
+    Names follow the engine's conventions: FusedMoE `w13_weight` / `w2_weight` (`_bias`; under
+    `experts.routed_experts.` in vLLM, `experts.` in SGLang), stacked `qkv_proj` / `gate_up_proj` /
+    `fused_qkv_a_proj`, the checkpoint's module names (transformers' renamings undone), and the scale parameters
+    of FP8 (`weight_scale_inv`) and MXFP4 (`weight_scale`) weights. The order within a layer is transformers'
+    declaration order, but for vLLM's MoE blocks (`_MOE_ORDER`). Checked against the parameters vLLM's own
+    model classes build: tests/engines/test_vllm.py.
     """
     undo = checkpoint_renamings(plan.model_type)
+    holder = _ROUTED_HOLDER.get(engine, "")
+    renamed = _RENAMED.get((engine, plan.model_type), ())
     params: dict[tuple[int, str], list] = {}
     for t in plan.tensors:
         prefix = layer_prefix(t.name)
@@ -69,9 +87,11 @@ def engine_params(plan: Plan) -> list[Param]:
         last = name.rpartition(".")[2]
         fused = t.role == "routed_expert" and name.split(".")[-2:-1] == ["experts"] and last in _FUSED_MOE
         if fused:
-            name = f"{name.rpartition('.')[0]}.{_FUSED_MOE[last]}"
+            name = f"{name.rpartition('.')[0]}.{holder}{_FUSED_MOE[last]}"
         for target, source in undo:
             name = name.replace(target, source)
+        for ours, theirs in renamed:
+            name = name.replace(f".{ours}", f".{theirs}")
         rel = name[len(layer_prefix(name) or prefix) + 1:].split(".")
         if not fused and len(rel) >= 2 and rel[-2] in _STACKED:
             rel[-2] = _STACKED[rel[-2]]
@@ -81,10 +101,45 @@ def engine_params(plan: Plan) -> list[Param]:
         elif rel[-1].endswith("weight") and t.dtype == "mxfp4":
             names.append(names[0] + "_scale")
         key = (t.layer, names[0])
-        entry = params.setdefault(key, [t.layer, names, [], 0])
+        entry = params.setdefault(key, [t.layer, names, [], 0, t.role])
         entry[2].append(t.name)
         entry[3] += t.bytes
-    return [Param(layer, tuple(names), tuple(ts), b) for layer, names, ts, b in params.values()]
+    out = [Param(layer, tuple(names), tuple(ts), b) for layer, names, ts, b, _ in params.values()]
+    if engine is Engine.VLLM:
+        roles = [role for *_, role in params.values()]
+        out = _vllm_moe_order(out, roles, _ATTENTION_ORDER.get((engine, plan.model_type), ()))
+    return out
+
+
+def _vllm_moe_order(params: list[Param], roles: list[str], attention: Sequence[str]) -> list[Param]:
+    """Each MoE layer's parameters in vLLM's order (`_MOE_ORDER`): the rest as declared (attention modules in
+    the order `attention` names, where given), the MoE block, the layer's own norms (`input_layernorm.weight`: a
+    norm that is a direct child of the layer)."""
+    def module_rank(p: Param) -> int:
+        module = p.names[0].split(".")[-2] if "." in p.names[0] else ""
+        return attention.index(module) if module in attention else -1
+
+    def rank(p: Param, role: str) -> int | None:
+        if "shared_expert_gate" in p.names[0].split("."):
+            return _MOE_ORDER["shared_expert_gate"]
+        return _MOE_ORDER.get(role)
+
+    out: list[Param] = []
+    layers: dict[int, list[tuple[Param, str]]] = {}
+    for p, role in zip(params, roles):
+        layers.setdefault(p.layer, []).append((p, role))
+    for members in layers.values():
+        if not any(rank(p, r) == _MOE_ORDER["routed_expert"] for p, r in members):
+            out += [p for p, _ in members]   # a dense layer: as declared
+            continue
+        block = sorted((rank(p, r), i, p) for i, (p, r) in enumerate(members) if rank(p, r) is not None)
+        norms = [p for p, r in members if r == "norm" and len(p.names[0].split(".")) == 2]
+        rest = [p for p, r in members if rank(p, r) is None and p not in norms]
+        if attention:
+            ranked = iter(sorted((p for p in rest if module_rank(p) >= 0), key=module_rank))
+            rest = [next(ranked) if module_rank(p) >= 0 else p for p in rest]
+        out += rest + [p for _, _, p in block] + norms
+    return out
 
 
 def walk(params: Sequence[Param], selectors: Sequence[str], budget: int) -> list[Param]:
@@ -143,7 +198,7 @@ def layer_walk(plan: Plan, engine: Engine, *, selectors_allowed: bool, reads: st
     """The walk both engines share: (args, the in-memory tensors they send to host memory, notes).
     `selectors_allowed`: the engine takes --cpu-offload-params (vLLM); `reads`: the note saying how it reads
     what it offloaded."""
-    params = engine_params(plan)
+    params = engine_params(plan, engine)
     by_tensor = {n: i for i, p in enumerate(params) for n in p.tensors}
     planned = {t.name for t in plan.tensors if t.tier in OFFLOADED}
     host = {by_tensor[n] for n in planned if n in by_tensor}
