@@ -26,7 +26,7 @@ from typing import Sequence
 from ..errors import ConfigError
 from ..planning.placement import Plan, PlannedTensor, Tier, format_bytes
 from .engine import ENGINES, LABELS, OFFLOADED, Engine
-from .llama_cpp import llama_cpp_options
+from .llama_cpp import cpu_tensors, llama_cpp_options
 from .sglang import read_in_full, sglang_options
 from .vllm import vllm_options
 
@@ -59,7 +59,9 @@ class Export:
                 "expressible": self.expressible, "link_bytes_per_token": self.link_bytes_per_token,
                 "command": self.command(model), "offloaded_bytes": self.placement.offloaded_bytes,
                 "plan_offloaded_bytes": self.plan.offloaded_bytes,
-                "plan_link_bytes_per_token": self.plan.link_bytes_per_token()}
+                "plan_link_bytes_per_token": self.plan.link_bytes_per_token(),
+                **({"cpu_tensors": sorted(cpu_tensors(self.plan, self.args))} if self.engine is Engine.LLAMA_CPP
+                   else {})}
 
 
 def _offloaded_part(t: PlannedTensor) -> tuple:

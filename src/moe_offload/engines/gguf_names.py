@@ -10,7 +10,8 @@ does in code rather than through that map is the little written below, each with
 - names are looked up as the checkpoint has them: transformers' own renamings are undone
   (`mlp` -> `block_sparse_moe` for Mixtral, Granite's `router.layer`; checkpoint_names.py), a
   `language_model.` segment is dropped (vision-language checkpoints), Qwen3-Next's `dt_bias` is its
-  `dt_proj.bias`.
+  `dt_proj.bias`;
+- Qwen3-Next's `in_proj_qkvz` is split into `attn_qkv` + `attn_gate` (its `modify_tensors`).
 """
 
 from __future__ import annotations
@@ -94,17 +95,27 @@ class GgufNames:
             fused = self._fmt(getattr(MODEL_TENSOR, "FFN_GATE_UP_EXP", None), t.layer, suffix)
             layouts = tuple(x for x in ((gate, up) if gate and up else None, (fused,) if fused else None) if x)
             return GgufTensor(layouts) if layouts else None
+        if key.endswith(".linear_attn.in_proj_qkvz") and t.layer is not None:
+            # Qwen3-Next: the converter splits in_proj_qkvz into attn_qkv (q, k, v) and attn_gate (z)
+            split = tuple(self._fmt(k, t.layer, suffix) for k in (MODEL_TENSOR.ATTN_QKV, MODEL_TENSOR.ATTN_GATE))
+            if all(split):
+                return GgufTensor((split,))
         for candidate in self._candidates(t.name):
+            # The converter looks the whole name up before it strips a suffix: Mamba's `A_log` and `D` become
+            # `blk.N.ssm_a` / `blk.N.ssm_d`, with no `.weight` (gpt-oss's converter adds one to `sinks` itself).
+            exact = self._map.get_type_and_name(candidate)
+            if exact is not None and not candidate.endswith(".sinks"):
+                return GgufTensor(((exact[1],),))
             key, suffix = _key_and_suffix(candidate)
             found = self._map.get_type_and_name(key)
             if found is None:
                 continue
             kind, base = found
             layouts = [(f"{base}.{suffix}",)]
-            if kind == MODEL_TENSOR.ATTN_KV_B:   # MLA: newer converters split kv_b into k_b and v_b
+            if kind == MODEL_TENSOR.ATTN_KV_B:   # MLA: newer converters (the one `make engines` builds) split kv_b
                 split = tuple(self._fmt(k, t.layer, suffix) for k in (MODEL_TENSOR.ATTN_K_B, MODEL_TENSOR.ATTN_V_B))
                 if all(split):
-                    layouts.append(split)
+                    layouts.insert(0, split)
             return GgufTensor(tuple(layouts))
         return None
 

@@ -80,6 +80,16 @@ def llama_cpp_options(plan: Plan) -> tuple[list[str], set[str], list[str]]:
     return args, host, notes
 
 
+def cpu_tensors(plan: Plan, args: Sequence[str]) -> set[str]:
+    """The GGUF tensors (names as llama.cpp's converter writes them) that these options override to the CPU
+    buffer: what `llama-completion -v` logs as "tensor ... buffer type overridden to CPU". The input
+    embedding, which llama.cpp keeps in host memory without an override, is not among them."""
+    gg = GgufNames(plan.tensors, plan.model_type)
+    names = {x for t in plan.tensors if t.component == "language" and gg.of.get(t.name) is not None
+             for x in gg.of[t.name].layouts[0]}
+    return selected(names, overrides(args))
+
+
 # ---------------------------------------------------------------------------------------
 # What llama.cpp does with options
 
@@ -168,6 +178,10 @@ def _entries(spec: Sequence[tuple[str, tuple[str, ...]]]) -> str:
         clusters.setdefault(suffixes, []).append(kind)
     parts = []
     for suffixes, kinds in clusters.items():
+        if "" in suffixes:   # a tensor without a suffix (`blk.N.ssm_a`): the name ends at the kind
+            alts = [rf"\.{x}" if x else "$" for x in suffixes]
+            parts.append(_words(kinds) + (alts[0] if len(alts) == 1 else f"({'|'.join(alts)})"))
+            continue
         tail = "" if not suffixes else (suffixes[0] if len(suffixes) == 1 else f"({'|'.join(suffixes)})")
         parts.append(rf"{_words(kinds)}\.{tail}")
     return parts[0] if len(parts) == 1 else f"({'|'.join(parts)})"
@@ -207,7 +221,7 @@ def patterns_for(host: set[str], universe: dict[str, GgufTensor | None], layer: 
                 present.setdefault(kind, set()).add(suffix)
                 if n in host:
                     want.setdefault(kind, set()).add(suffix)
-        spec = tuple((k, () if v == present[k] else tuple(sorted(v, key=lambda s: (s != "weight", s))))
+        spec = tuple((k, () if v == present[k] and "" not in v else tuple(sorted(v, key=lambda s: (s != "weight", s))))
                      for k, v in want.items())
         if spec:
             groups.setdefault((block is None, spec), []).append(block)
@@ -218,8 +232,11 @@ def patterns_for(host: set[str], universe: dict[str, GgufTensor | None], layer: 
 
 
 def _kind(gguf_name: str) -> tuple[str, str]:
-    """`blk.3.ffn_down_exps.weight` -> (`ffn_down_exps`, `weight`); `output.weight` -> (`output`, `weight`)."""
+    """`blk.3.ffn_down_exps.weight` -> (`ffn_down_exps`, `weight`); `output.weight` -> (`output`, `weight`);
+    `blk.3.ssm_a` -> (`ssm_a`, ``)."""
     stem, _, suffix = gguf_name.rpartition(".")
+    if stem.startswith("blk.") and stem.count(".") < 2 or not stem:   # no suffix: `blk.3.ssm_a`, `rope_freqs`
+        return (gguf_name.split(".", 2)[2] if gguf_name.startswith("blk.") else gguf_name), ""
     return (stem.split(".", 2)[2] if stem.startswith("blk.") else stem), suffix
 
 
