@@ -64,11 +64,12 @@ FIELDS: dict[str, dict[str, Any]] = {
     # expert count, still runs the group-selection code path. scoring_func is no field of transformers'
     # config (its router is always sigmoid) but released config.json files carry it, and llama.cpp's
     # converter reads it (TextModel.set_gguf_parameters: scoring_func -> expert_gating_func; its loader
-    # falls back to softmax without it).
+    # falls back to softmax without it). topk_method "noaux_tc" as released: transformers' router always is,
+    # and vLLM builds the router's e_score_correction_bias only with it.
     "deepseek_v3": dict(num_key_value_heads=H,  # MLA has no grouped KV heads
                         intermediate_size=DF, moe_intermediate_size=XF, n_routed_experts=E,
                         num_experts_per_tok=K, n_shared_experts=1, n_group=1, topk_group=1,
-                        scoring_func="sigmoid"),
+                        scoring_func="sigmoid", topk_method="noaux_tc"),
     "gpt_oss": dict(
         head_dim=HD,
         intermediate_size=XF,  # gpt-oss has only expert FFNs
