@@ -83,12 +83,14 @@ def prompt_ids(folder, n: int = 12) -> torch.Tensor:
     return ids
 
 
-def run(model, ids: torch.Tensor, new_tokens: int = 6):
-    """(greedy tokens [1, n+new], per-step logits [new, V], prefill logits [1, n, V])."""
+def run(model, ids: torch.Tensor, new_tokens: int = 6, *, ignore_eos: bool = False):
+    """(greedy tokens [1, n+new], per-step logits [new, V], prefill logits [1, n, V]). `ignore_eos`: decode all
+    `new_tokens` past an EOS (as the engines' ignore_eos does: EOS is not masked, only not a stop)."""
     mask = torch.ones_like(ids)
+    stop = {"eos_token_id": None} if ignore_eos else {}
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True)
+                             output_logits=True, return_dict_in_generate=True, **stop)
         prefill = model(input_ids=ids, attention_mask=mask).logits
     return out.sequences, torch.cat(out.logits), prefill
 

@@ -33,7 +33,7 @@ import torch
 import moe_offload as mo
 from fixtures_cli import run_cli
 from fixtures_engines import convert, llama_greedy, llama_overrides, require
-from fixtures_models import BACKENDS, load, reference_model
+from fixtures_models import BACKENDS, load, reference_model, run
 from moe_offload.planning.placement import GiB
 from moe_offload.tiny.make import make_tiny
 
@@ -63,15 +63,10 @@ def tiny(tmp_path_factory):
 
 
 def _greedy_with_margins(model, ids: torch.Tensor):
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, ids.shape[1]:].tolist()
-    margins = []
-    for step in out.logits:
-        top = torch.topk(step[0].float(), 2).values
-        margins.append(float(top[0] - top[1]))
-    return tokens, margins
+    """Greedy tokens past any EOS (llama.cpp runs with ignore_eos) and each step's top-2 logit margin."""
+    seq, logits, _ = run(model, ids, new_tokens=NEW, ignore_eos=True)
+    top = torch.topk(logits.float(), 2, dim=-1).values
+    return seq[0, ids.shape[1]:].tolist(), (top[:, 0] - top[:, 1]).tolist()
 
 
 def _compare(name: str, ref: list[int], margins: list[float], got: list[int]) -> None:

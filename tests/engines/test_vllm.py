@@ -59,7 +59,7 @@ NEW = 8
 MARGIN_TOL = 1e-4
 LOGPROB_TOL = 1e-4
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "olmoe", "granitemoe")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "olmoe", "granitemoe", "glm4_moe")
 UNSUPPORTED = {
     # MLA's head (kv_lora_rank + qk_rope_head_dim) is 160 at hidden 256; vLLM's CPU MLA takes the released
     # models' 576 (512 + 64), which make-tiny reaches only at hidden >= 1024. (Before make-tiny wrote
@@ -143,7 +143,7 @@ def test_tokens_agree_transformers_moe_offload_vllm(vllm, family):
     folder = vllm["dirs"][family]
     m = _model(vllm, family)
     ids = torch.tensor([PROMPT])
-    seq, logits, _ = run(reference_model(folder, family), ids, new_tokens=NEW)
+    seq, logits, _ = run(reference_model(folder, family), ids, new_tokens=NEW, ignore_eos=True)
     ref = seq[0, len(PROMPT):].tolist()
     logp = torch.log_softmax(logits.double(), dim=-1)
 
@@ -164,7 +164,7 @@ def test_tokens_agree_transformers_moe_offload_vllm(vllm, family):
         experts = sum(t.bytes for t in p0.tensors if t.role == "routed_expert")
         model, plan = load(folder, backend=backend, offload_gb=experts / GiB)
         assert any(t.tier == "host" and t.role == "routed_expert" for t in plan.tensors)
-        got_seq, got_logits, _ = run(model, ids, new_tokens=NEW)
+        got_seq, got_logits, _ = run(model, ids, new_tokens=NEW, ignore_eos=True)
         got = got_seq[0, len(PROMPT):].tolist()
         diff = _first_difference(ref, logits, got)
         assert diff is None, f"moe-offload ({backend}): {diff[1]}"
