@@ -43,7 +43,8 @@ def _one_error_line(rc, out, err) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("budget", [BUDGET, (*BUDGET, "--policy", "declaration")], ids=["sparse-first", "declaration"])
+@pytest.mark.parametrize("budget", [BUDGET, (*BUDGET, "--policy", "declaration"), (*BUDGET, "--dtype", "bf16")],
+                         ids=["sparse-first", "declaration", "bf16"])
 def test_generate_with_a_saved_plan_is_generate_with_its_budget(capsys, model_dir, tmp_path, budget):
     saved = _save(capsys, model_dir, tmp_path / "plan.json", *budget)
     rc, out, err = run(capsys, "generate", model_dir, *budget, *GENERATE)

@@ -69,9 +69,7 @@ def read_plan_of(args, path: Path, *, also: tuple = ()):
     model (or of another depth of the same family), or one edited by hand, is an error naming the tensor and
     the field, not a placement silently applied with other figures. Options that would also decide the
     placement (the budget options, and the command's own `also`: (flag, value) pairs) are refused beside it."""
-    from ..model.config import DTYPE_NAMES
-    from ..model.inventory import inventory
-    from ..planning.plan_check import check_plan
+    from ..planning.plan_check import check_plan, plan_dtype
     from ..planning.placement import Plan
 
     given = [opt for opt, v in (("--offload-gb", args.offload_gb), ("--device-memory", args.device_memory),
@@ -87,20 +85,7 @@ def read_plan_of(args, path: Path, *, also: tuple = ()):
     except OSError as exc:
         raise MoeOffloadError(f"cannot read --plan {plan_path}: {exc.strerror}; save one with `moe-offload "
                               "plan MODEL --save PLAN.json`") from exc
-    inv = inventory(path)
-
-    def differing(inv_) -> list[str]:
-        records = inv_.by_name()
-        return [t.dtype for t in plan.tensors if t.name in records and t.dtype != records[t.name].dtype]
-
-    # A plan saved with `plan --dtype D` holds its floating tensors in D: it is checked against the model counted
-    # in D (--dtype itself is refused beside --plan), when the plan differs from that less than from the model's
-    # own dtype; so an edited tensor is named whichever dtype the plan was made in.
-    wrong = differing(inv)
-    most = max(sorted(set(wrong)), key=wrong.count) if wrong else None
-    if most in DTYPE_NAMES.values():
-        at = inventory(path, dtype=most)
-        inv = at if len(differing(at)) < len(wrong) else inv
+    inv, _ = plan_dtype(plan, path)
     check_plan(plan, inv, source=f"--plan {plan_path}", model=str(path),
                fix=f"plan this model with `moe-offload plan {model_arg} --save PLAN.json`")
     return plan

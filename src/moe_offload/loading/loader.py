@@ -32,7 +32,7 @@ from ..model.inventory import from_checkpoint
 from ..formats.layouts import map_keys
 from ..planning.planner import plan as make_plan
 from ..planning.placement import Plan, Tier
-from ..planning.plan_check import check_plan
+from ..planning.plan_check import check_plan, plan_dtype
 from ..formats.quant import spec_from_config
 from ..run.quant_weights import checkpoint_owner, quant_layouts
 from ..storage.host import HostArena, resolve_device, set_tensor
@@ -85,6 +85,12 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
         raise ConfigError(f"unknown dtype {dtype!r}: use bf16, fp16 or fp32")
     cache_bytes, cache_policy = cache_options(cache_gb, cache_policy)
 
+    source = "the plan"
+    if isinstance(plan, (str, Path)):
+        source = f"plan {plan}"
+        plan = Plan.from_json(Path(plan).read_text(), source=source)
+    if plan is not None and dtype is None:
+        dtype = plan_dtype(plan, folder)[1]   # a plan of `plan --dtype D` loads in D
     config = read_config(folder)
     spec = spec_from_config(config)   # None when unquantized; CheckpointError for a method it cannot read
     storage_dtype = getattr(torch, DTYPE_NAMES[dtype]) if dtype else None
@@ -92,15 +98,12 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
         model = build_meta_model(config, storage_dtype, device="cpu")
     model.eval()
     inv = from_checkpoint(folder, dtype=dtype, model=model, config=config)
-    source = "the plan"
-    if isinstance(plan, (str, Path)):
-        source = f"plan {plan}"
-        plan = Plan.from_json(Path(plan).read_text(), source=f"plan {plan}")
     if plan is None:
-        plan = make_plan(inv, **budget)
+        plan = make_plan(inv, **budget)   # made from this inventory: nothing to check
     elif any(v is not None for v in budget.values()):
         raise SelectorError("give either a plan or budget options, not both")
-    check_plan(plan, inv, source=source, model=str(folder))
+    else:
+        check_plan(plan, inv, source=source, model=str(folder))
     check_capacity(cache_bytes, plan)
     note = reserve_note(cache_bytes, cache_policy, budget.get("device_memory_gb"), budget.get("reserve_gb"))
     if note:

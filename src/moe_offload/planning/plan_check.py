@@ -14,7 +14,8 @@ traceback. The loader (moe_offload.load) and the CLI's --plan (cli/options.read_
 from __future__ import annotations
 
 from ..errors import PlanMismatchError
-from ..model.inventory import Inventory, TensorRecord
+from ..model.config import DTYPE_NAMES
+from ..model.inventory import Inventory, TensorRecord, inventory
 from ..model.roles import Role, assign
 from .placement import Plan, PlannedTensor, Policy, Tier, expert_tier_problem
 
@@ -30,6 +31,26 @@ _WHY = {
     "experts": "E sets a routed tensor's access density and its expert axis",
     "top_k": "k sets a routed tensor's access density, and so the link bytes per token",
 }
+
+
+def plan_dtype(plan: Plan, source) -> tuple[Inventory, str | None]:
+    """The model's inventory in the dtype `plan` holds its tensors in, and that dtype's short name (`bf16`), or
+    None where the plan keeps the checkpoint's own dtypes. A plan saved with `plan --dtype D` holds its floating
+    tensors in D; it is compared with the model counted in D when it differs from that less than from the
+    model's own dtypes, so that an edited tensor is named whichever dtype the plan was made in."""
+    def differing(inv_: Inventory) -> list[str]:
+        records = inv_.by_name()
+        return [t.dtype for t in plan.tensors if t.name in records and t.dtype != records[t.name].dtype]
+
+    inv = inventory(source)
+    wrong = differing(inv)
+    most = max(sorted(set(wrong)), key=wrong.count) if wrong else None
+    short = {name: short for short, name in DTYPE_NAMES.items()}.get(most)
+    if short is not None:
+        held = inventory(source, dtype=short)
+        if len(differing(held)) < len(wrong):
+            return held, short
+    return inv, None
 
 
 def check_plan(plan: Plan, inv: Inventory, *, source: str = "the plan", model: str = "the model",
