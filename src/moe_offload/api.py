@@ -12,7 +12,7 @@ from .planning.placement import Plan
 
 def load(model_dir, *, device=None, backend: str | None = None, plan: "Plan | str | None" = None,
          dtype: str | None = None, progress: bool = False, cache_gb: float | None = None,
-         cache_policy: str | None = None, **budget):
+         cache_policy: str | None = None, experts: str | None = None, **budget):
     """Build a model from a local checkpoint straight into its plan; returns (model, plan).
 
     Budget options as for `plan` (offload_gb, device_memory_gb, reserve_gb, host_memory_gb,
@@ -21,11 +21,14 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: "Plan | st
     that says which mechanism is used and counts the bytes read over the link.
     `cache_gb` (with `cache_policy`): a device-side cache of that many GiB for the offloaded routed
     experts that decode steps fetch (`model.moe_offload_runtime.cache.stats()`: hits and misses).
+    `experts`: "eager" (default: the experts class's own loop, the model's arithmetic) or "grouped" (the selected
+    experts of a call in one fused gather-GEMV kernel per projection; bit-identical to the same model loaded with
+    nothing offloaded and experts="grouped").
     """
     from .loading.loader import load as _load
 
     return _load(model_dir, device=device, backend=backend, plan=plan, dtype=dtype, progress=progress,
-                 cache_gb=cache_gb, cache_policy=cache_policy, **budget)
+                 cache_gb=cache_gb, cache_policy=cache_policy, experts=experts, **budget)
 
 
 def transform_weights(model, fn, *, names=None):

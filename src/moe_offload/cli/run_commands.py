@@ -37,7 +37,7 @@ def load_for_cli(args, **extra):
     tokenizer = load_tokenizer(folder)
     model, plan = load(folder, device=args.device, backend=args.backend,
                        progress=not getattr(args, "json", False) and sys.stderr.isatty(), **placement,
-                       cache_gb=args.cache_gb, cache_policy=args.cache_policy, **extra)
+                       cache_gb=args.cache_gb, cache_policy=args.cache_policy, experts=args.experts, **extra)
     return model, plan, tokenizer
 
 
@@ -65,6 +65,13 @@ def cmd_generate(args) -> int:
         # No EOS token at all for this call: decoding runs on past it with the same greedy choices
         # (min_new_tokens would instead forbid the EOS token and so change the text).
         kwargs["eos_token_id"] = []
+    clock = None
+    if args.compile:
+        from ..run.compiled import compile_kwargs
+        from ..measure.timing import TokenClock
+
+        kwargs.update(compile_kwargs(model))
+        kwargs["streamer"] = clock = TokenClock(runtime.device)
     runtime.counter.reset()
     runtime.disk_counter.reset()
     start = time.perf_counter()
@@ -72,6 +79,11 @@ def cmd_generate(args) -> int:
         out = model.generate(**enc, **kwargs)
     elapsed = time.perf_counter() - start
     new = out[0, enc["input_ids"].shape[1]:].tolist()
+    compile_s = None
+    if clock is not None:
+        from ..run.compiled import compile_seconds
+
+        compile_s = compile_seconds([b - a for a, b in zip(clock.times, clock.times[1:])])
     text = tokenizer.decode(new, skip_special_tokens=True)
     result = {
         "text": text,
@@ -88,6 +100,9 @@ def cmd_generate(args) -> int:
         "disk_read_mechanism": runtime.disk.mechanism if runtime.disk is not None else None,
         "planned_link_bytes_per_token": plan.link_bytes_per_token(1),
         "tokens_per_s": len(new) / elapsed if elapsed > 0 else None,
+        "experts": runtime.compute.mode.value,
+        "compile": bool(args.compile),
+        "compile_s": compile_s,   # the first compiled step's time beyond a warm one (None uncompiled)
         **cache_stats(runtime.cache),   # cache_policy, cache_bytes, cache_hits, cache_misses, ...: decode steps
     }
     if args.json:
@@ -97,6 +112,9 @@ def cmd_generate(args) -> int:
     print(f"-- {len(new)} tokens, {result['tokens_per_s']:.1f} tok/s (prefill included) on {runtime.device}, "
           f"backend {runtime.backend}", file=sys.stderr)
     print(f"-- {runtime.mechanism}", file=sys.stderr)
+    if compile_s is not None:
+        print(f"-- decode step compiled: {compile_s:.1f} s of the run went to compiling it (its first step beyond "
+              "a warm one)", file=sys.stderr)
     print(f"-- offloaded {format_bytes(plan.offloaded_bytes)} (host memory used {format_bytes(runtime.host_bytes)}); "
           f"link bytes per decoded token: measured {format_bytes(result['link_bytes_per_token'])}, "
           f"planned {format_bytes(result['planned_link_bytes_per_token'])}", file=sys.stderr)
@@ -142,7 +160,7 @@ def cmd_bench(args) -> int:
                      dtype=args.dtype, device=args.device, backend=args.backend, prompts=prompts,
                      same_prompt=args.same_prompt, link_gbps=args.link_gbps, threads=args.threads,
                      cache_gb=args.cache_gb, cache_policy=args.cache_policy, stats=routing_stats(args.stats),
-                     plan=plan, progress=sys.stderr.isatty())
+                     plan=plan, progress=sys.stderr.isatty(), experts=args.experts, compile=args.compile)
     to_stdout = args.json == "-"
     print_table(rows, Console(stderr=True) if to_stdout else None)  # stdout holds only the JSON with --json -
     # Both outputs or neither: the plot (the one that can fail on content) first, then the JSON.

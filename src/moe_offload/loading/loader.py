@@ -62,15 +62,17 @@ def _parameters_on_meta():
 
 def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str | Path | None = None,
          dtype: str | None = None, progress: bool = False, cache_gb: float | None = None,
-         cache_policy: str | None = None, **budget):
+         cache_policy: str | None = None, experts: str | None = None, **budget):
     """Build, load and attach a runtime. Returns (model, plan).
 
     `budget`: offload_gb, device_memory_gb, reserve_gb, policy, offload_params, batch (as `moe_offload.plan`).
     `plan`: a Plan (or its JSON file) to apply instead of planning here.
     `cache_gb`: a device-side cache of that many GiB for offloaded routed experts (device_cache.py), under
     `cache_policy` (cache_policy.py; default its DEFAULT_CACHE_POLICY); 0 or None is no cache.
+    `experts`: how selected experts are computed, "eager" (the class's loop, default) or "grouped" (run/grouped.py).
     """
     from ..run.auditor import audit
+    from ..run.grouped import ExpertsMode, check_kernels, experts_mode
     from ..errors import AuditError
     from ..run.runtime import BACKENDS, Runtime
 
@@ -78,6 +80,9 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     if not folder.is_dir():
         raise ConfigError(f"{folder} is not a model folder: give a local folder with config.json and safetensors")
     dev = resolve_device(device)
+    experts = experts_mode(experts)
+    if experts is ExpertsMode.GROUPED:
+        check_kernels(dev)
     backend = backend or "uva"
     if backend not in BACKENDS:
         raise DeviceError(f"unknown backend {backend!r}: use uva or prefetch")
@@ -143,7 +148,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
         runtime = Runtime(model, device=dev, backend=backend, arena=arena, host_names=host_names,
                           host_tensors=host_tensors, plan=plan, splits=splits,
                           cache=DeviceCache(cache_policy, cache_bytes) if cache_bytes else None, quant=quant,
-                          disk=disk)
+                          disk=disk, experts=experts)
         runtime.attach()
         model.moe_offload_runtime = runtime
         mismatches = audit(model, plan)

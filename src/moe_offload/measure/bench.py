@@ -104,8 +104,8 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str | None = None,
               prompts: Sequence[str] | None = None,
               same_prompt: bool = False, link_gbps: float | None = None, threads: int | None = None,
               cache_gb: float | None = None, cache_policy: str | None = None, stats=None,
-              plan: Plan | None = None, progress: bool = False,
-              log: Callable[[str], None] | None = None) -> list[dict]:
+              plan: Plan | None = None, progress: bool = False, experts: str | None = None,
+              compile: bool = False, log: Callable[[str], None] | None = None) -> list[dict]:
     """Measure every arm at every concurrency level; one row per (arm, concurrency), in that order.
 
     Skipped arms (resident when the model does not fit) are reported through `log`
@@ -116,6 +116,8 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str | None = None,
     the device it resolves). `stats`: routing statistics for the `frequency` arm (layer -> decode-token picks
     per expert, traces.expert_counts), which needs them. `plan`: a saved plan, benched as the arm `plan`
     (arms.arms_of_plan: `resident` may stand beside it; arms None is the plan alone), instead of a budget.
+    `experts` ("eager" / "grouped", as `load`) and `compile` (the decode step compiled, run/compiled.py) apply to
+    every arm on our runtime; rows say which, and a compiled row its `compile_s`.
     """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -224,14 +226,15 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str | None = None,
                     continue
                 tracked, first_row = reset_peak_rss(), len(rows)   # peak RSS over this arm's load and runs
                 model, applied = load(folder, device=dev, backend=backend, dtype=dtype, cache_gb=cache_gb,
-                                      cache_policy=cache_policy, **arm.load_kwargs(budget, stats, plan))
+                                      cache_policy=cache_policy, experts=experts,
+                                      **arm.load_kwargs(budget, stats, plan))
                 try:
                     for c in levels:
                         batch = batch_prompts(prompts, c, same_prompt)
                         measured = measure(model, tokenizer(batch, return_tensors="pt", padding=True).to(dev),
                                            runs, max_new_tokens, dev,
                                            lambda what: bar.update(task, description=f"{arm.name} c={c} {what}"),
-                                           lambda: bar.advance(task))
+                                           lambda: bar.advance(task), compile=compile)
                         rows.append(make_row(arm, c, measured, model, applied, prompts=batch,
                                              same_prompt=same_prompt, max_new_tokens=max_new_tokens,
                                              link_gbps=link_gbps, model_name=folder.resolve().name,

@@ -21,8 +21,14 @@ from .readback import applied_settings, device_resident_bytes
 from .timing import Run, measured_link_bytes, timing_fields
 
 
-def measure(model, enc, runs: int, max_new_tokens: int, device: torch.device, describe, advance) -> list[Run]:
-    """One warm-up run (discarded), then `runs` measured runs of the same batch."""
+def measure(model, enc, runs: int, max_new_tokens: int, device: torch.device, describe, advance, *,
+            compile: bool = False) -> list[Run]:
+    """One warm-up run (discarded), then `runs` measured runs of the same batch. `compile`: each run through the
+    compiled decode step (run/compiled.py, timing.greedy_generate); the warm-up compiles, and its first step's
+    extra time is the row's `compile_s`."""
+    from ..run.compiled import compile_kwargs, compile_seconds
+
+    extra = compile_kwargs(model) if compile else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     measured = []
@@ -40,7 +46,12 @@ def measure(model, enc, runs: int, max_new_tokens: int, device: torch.device, de
             if record:   # the routing of the measured runs, for bf16_link_bytes_per_token
                 rt.recorder = calls.append
             try:
-                run = timing.greedy(model, enc, max_new_tokens, device)
+                if extra is None:
+                    run = timing.greedy(model, enc, max_new_tokens, device)
+                else:
+                    run = timing.greedy_generate(model, enc, max_new_tokens, device, **extra)
+                    compiled = compile_seconds(run.itl_s) if i == 0 else compiled   # the warm-up compiled
+                    run.compiled, run.compile_s = True, compiled
             finally:
                 if record:
                     rt.recorder = None
@@ -113,6 +124,9 @@ def make_row(arm: Arm, c: int, runs: list[Run], model, plan, *, prompts: list[st
         "same_prompt": same_prompt,
         "prompts": prompts,
         "mechanism": rt.mechanism,
+        "experts": rt.compute.mode.value,             # eager loop or grouped kernels (run/grouped.py)
+        "compile": any(r.compiled for r in runs),     # the decode step compiled (run/compiled.py)
+        "compile_s": max((r.compile_s for r in runs), default=0.0),
         "model": model_name,
         "model_type": plan.model_type,
         "budget": budget_label,

@@ -42,6 +42,8 @@ class Run:
     # run/state.RoutedCall of each decode step, recorded only where a bf16 comparison needs it
     # (runtime_rows.needs_routing)
     decode_routing: list = field(default_factory=list)
+    compiled: bool = False          # decoded through the compiled step (run/compiled.py)
+    compile_s: float = 0.0          # what compiling it cost (its first step beyond a warm one), 0 uncompiled
 
 
 def _sync(device: torch.device) -> None:
@@ -113,6 +115,44 @@ def greedy(model, enc, max_new_tokens: int, device: torch.device, meter=None) ->
         cache = getattr(out, cache_kw, None)
         tokens.append(nxt)
     return Run(ttft, itl, last - start, link, torch.cat(tokens, dim=1).cpu())
+
+
+class TokenClock:
+    """A generate() streamer that notes when each token arrives (the first `put` is the prompt)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.times: list[float] = []
+        self.prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        _sync(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def greedy_generate(model, enc, max_new_tokens: int, device: torch.device, **generate_kwargs) -> Run:
+    """The same greedy run through `model.generate` (exactly max_new_tokens tokens, EOS ignored), timed token by
+    token: the driver of the compiled decode step (run/compiled.py), which needs generate's static KV cache. Link
+    bytes per decode step are the runtime's counters of each forward call (one call per token)."""
+    rt = model.moe_offload_runtime
+    first = len(rt.counter.calls)
+    clock = TokenClock(device)
+    _sync(device)
+    start = time.perf_counter()
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=[], streamer=clock, **generate_kwargs)
+    _sync(device)
+    times = [start, *clock.times]
+    itl = [b - a for a, b in zip(times[1:], times[2:])]
+    calls = list(zip(rt.counter.calls[first:], rt.disk_counter.calls[first:]))[1:]   # the first is the prefill
+    link = [host[1] + disk[1] for host, disk in calls]
+    return Run(times[1] - start, itl, times[-1] - start, link, out[:, enc["input_ids"].shape[1]:].cpu())
 
 
 # --- statistics ----------------------------------------------------------------------------

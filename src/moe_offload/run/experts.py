@@ -8,7 +8,7 @@ forward unchanged.
 
 For a module with offloaded experts only the experts the router selected are read:
 
-- whole tensors on the host, uva backend: the eager forward indexes the selected experts of
+- whole tensors on the host, uva backend: the kernels index the selected experts of
   the host view in place; the distinct experts are counted at the end of the forward call
   (one synchronisation per step, not per layer);
 - otherwise (prefetch, or any tensor split between tiers): the U selected experts are
@@ -24,6 +24,12 @@ are dequantized on the device into reused buffers, and the eager loop runs on th
 Tensors on the disk tier (disk_tier.py) always take the gathering path: the selected experts are read from
 the checkpoint into the same reused buffers, counted in the runtime's disk counter.
 
+What computes the selected experts is the runtime's `ExpertsCompute` (grouped.py): the class's eager loop
+(`experts="eager"`, the model's own arithmetic) or one grouped gather-GEMV kernel per projection
+(`experts="grouped"`), over the module's stacks in place or the gathered buffers with renumbered ids. The
+gathering is data-dependent and always runs eagerly (`ExpertsState.gather`): under a compiled decode step it
+is where the graph breaks.
+
 Link bytes count only the selected experts that are on the host. With a device-side expert cache
 (device_cache.py), a decode step gathers every offloaded tensor the same way, each selected expert
 from its cache pages (a hit: no link bytes), its resident stack, or the host (a miss).
@@ -32,21 +38,14 @@ from its cache pages (a hit: no link bytes), its resident stack, or the host (a 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
-
 import torch
 import torch.nn as nn
 
+from .grouped import original_forward
 from .state import RunState
 from ..storage.host import ExpertSplit
 
 EXPERTS_IMPL = "moe_offload"
-
-
-def original_forward(module: nn.Module) -> Callable:
-    # `use_experts_implementation` wraps the class's eager forward with functools.wraps.
-    fwd = type(module).forward
-    return getattr(fwd, "__wrapped__", fwd)
 
 
 def is_experts_module(module: nn.Module) -> bool:
@@ -107,18 +106,28 @@ class ExpertsState:
         if rt.recorder is not None and self.layer is not None:
             rt.routed[self.layer] = top_k_index.detach()
         if not self.offloaded and not self.quant and not self.disk:
-            return original_forward(module)(module, hidden_states, top_k_index, top_k_weights)
+            return rt.compute(module, {}, hidden_states, top_k_index, top_k_weights, decode=rt.step_tokens == 1)
         # A decode step with a device cache reads each selected expert from its cache pages when it holds it
         # (device_cache.py), so even uva's whole host tensors are then gathered rather than read in place.
         cached = rt.cache_step and bool(self.offloaded) and self.layer is not None
         if rt.backend == "uva" and not self.split and not cached and not self.quant and not self.disk:
-            # In place: the eager forward indexes each selected expert of the host view. Counting distinct
-            # experts needs their number on the host, so it waits for the end of the forward call.
+            # In place: the kernels index each selected expert of the host view. Counting distinct experts
+            # needs their number on the host, so it waits for the end of the forward call.
             per_expert = sum(_row_bytes(t) for t in self.offloaded.values())
             rt.routes.append((top_k_index.detach(), per_expert))
-            return original_forward(module)(module, hidden_states, top_k_index, top_k_weights)
-        # Gather the U selected experts into reused buffers and renumber them 0..U-1: the eager loop then
-        # visits them in the same ascending order, with the same values (bit-identical arithmetic).
+            return rt.compute(module, {}, hidden_states, top_k_index, top_k_weights, decode=rt.step_tokens == 1)
+        staged, local, count = self.gather(module, top_k_index, cached)
+        view = _StagedExperts(module, staged, count)
+        return rt.compute(module, staged, hidden_states, local, top_k_weights, view=view, decode=rt.step_tokens == 1)
+
+    @torch.compiler.disable
+    def gather(self, module, top_k_index, cached: bool):
+        """The U selected experts gathered into reused buffers, each from the tier that holds it, and the routing
+        renumbered 0..U-1: (local name -> [U, ...] stack, local ids [T, k], U). Data-dependent (which experts,
+        where they lie): it runs eagerly, an edge of a compiled decode step (compiled.py)."""
+        rt = self.runtime
+        # The eager loop then visits them in the same ascending order, with the same values (bit-identical
+        # arithmetic); the grouped kernels index the gathered stack with the renumbered ids.
         selected = torch.unique(top_k_index)                     # [U], ascending
         local = torch.searchsorted(selected, top_k_index)       # [T, k] in 0..U-1
         on_host: dict[tuple[int, ...], tuple[torch.Tensor, int]] = {}   # host_ids -> (mask [U], count)
@@ -145,5 +154,4 @@ class ExpertsState:
             # Resident per-expert tensors are renumbered too (a device-local gather, no link bytes).
             if name not in staged and p.dim() >= 1 and p.shape[0] == self.num_experts:
                 staged[name] = p.index_select(0, selected)
-        view = _StagedExperts(module, staged, selected.numel())
-        return original_forward(module)(view, hidden_states, local, top_k_weights)
+        return staged, local, selected.numel()

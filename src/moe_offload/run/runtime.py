@@ -53,7 +53,7 @@ class Runtime(RunState):
     def __init__(self, model: nn.Module, *, device: torch.device, backend: str, arena, host_names: dict[str, str],
                  host_tensors: dict[str, torch.Tensor] | None = None, plan=None,
                  splits: dict[str, ExpertSplit] | None = None, recorder: Recorder | None = None,
-                 cache: "DeviceCache | None" = None, quant: dict | None = None, disk=None):
+                 cache: "DeviceCache | None" = None, quant: dict | None = None, disk=None, experts="eager"):
         from ..errors import DeviceError
 
         if backend not in BACKENDS:
@@ -62,7 +62,7 @@ class Runtime(RunState):
         # the dequantizer turns them into the compute dtype on the device right before use.
         self.quant = dict(quant or {})
         super().__init__(device=device, backend=backend, recorder=recorder, cache=cache, disk=disk,
-                         dequantizer=Dequantizer(device, self.quant) if self.quant else None)
+                         dequantizer=Dequantizer(device, self.quant) if self.quant else None, experts=experts)
         self.model = model
         self.arena = arena
         self.host_names = dict(host_names)  # in-memory name -> tier ("host"/"disk"), tracked by name
@@ -76,7 +76,8 @@ class Runtime(RunState):
     @property
     def mechanism(self) -> str:
         disk = f"; {self.disk.mechanism}" if self.disk is not None else ""
-        return self._link_mechanism + disk + (self.dequantizer.mechanism if self.dequantizer is not None else "")
+        quant = self.dequantizer.mechanism if self.dequantizer is not None else ""
+        return f"{self._link_mechanism}{disk}{quant}; {self.compute.mechanism}"
 
     @property
     def _link_mechanism(self) -> str:
@@ -188,6 +189,9 @@ class Runtime(RunState):
             self.cache.invalidate(names)
 
     # --- hooks ---------------------------------------------------------------------------
+    # The per-call hooks read Python state (the cache's length, the routes to count): under a compiled decode
+    # step (compiled.py) they run eagerly, at the graph's edges.
+    @torch.compiler.disable
     def _top_pre(self, module, args, kwargs):
         self.routes.clear()  # a call that raised leaves nothing behind for the next one
         self.routed.clear()
@@ -196,21 +200,22 @@ class Runtime(RunState):
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs.get("inputs_embeds")
-        self._tokens = int(ids.shape[1]) if ids is not None and ids.dim() >= 2 else 1
+        self.step_tokens = int(ids.shape[1]) if ids is not None and ids.dim() >= 2 else 1
         # transformers 5.24 names the KV cache `cache` (`past_key_values` before): a decode step extends one.
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         length = getattr(cache, "get_seq_length", None)
         self._decode = bool(length()) if callable(length) else None
         # The device cache serves the calls the counter counts as decode steps (and a trace records as such).
-        self.cache_step = self.cache is not None and (self._decode if self._decode is not None else self._tokens == 1)
+        self.cache_step = self.cache is not None and (self._decode if self._decode is not None else self.step_tokens == 1)
         if self.cache_step:
             self.cache.policy.begin_step()   # where a step starts, as replay marks it per decoded token
 
+    @torch.compiler.disable
     def _top_post(self, module, args, kwargs, output):
         for top_k_index, per_expert in self.routes:
             self.counter.add(per_expert * torch.unique(top_k_index).numel())
         self.routes.clear()
-        tokens, decode = getattr(self, "_tokens", 1), getattr(self, "_decode", None)
+        tokens, decode = self.step_tokens, getattr(self, "_decode", None)
         self.counter.end_call(tokens, decode)
         self.disk_counter.end_call(tokens, decode)
         if self.recorder is not None:

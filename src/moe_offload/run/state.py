@@ -4,7 +4,8 @@
 function (experts.py), the device-side expert cache (device_cache.py), the disk tier (disk_tier.py) and the
 dense prefetcher (dense_prefetch.py). It holds
 
-- the device and backend (`uva` or `prefetch`);
+- the device and backend (`uva` or `prefetch`), and how selected experts are computed (`compute`:
+  grouped.ExpertsCompute, eager or grouped);
 - the counters of bytes read per forward call (`LinkCounter`): the host link's and the disk tier's;
 - the reused device buffers offloaded rows are staged into, and the row copies that fill them;
 - the hook handles every reader registers (removed together at detach);
@@ -22,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from .grouped import ExpertsCompute, ExpertsMode
 from ..storage.host import ExpertSplit
 
 
@@ -77,9 +79,10 @@ class RunState:
     """One loaded model's reading state: device and backend, counters, staging buffers, hook handles, routing."""
 
     def __init__(self, *, device: torch.device, backend: str, recorder: Recorder | None = None, cache=None,
-                 disk=None, dequantizer=None):
+                 disk=None, dequantizer=None, experts=ExpertsMode.EAGER):
         self.device = device
         self.backend = backend
+        self.compute = ExpertsCompute(experts)
         self.counter = LinkCounter()
         # The disk tier (disk_tier.DiskTier) or None; its reads are counted apart from the host link's.
         self.disk = disk
@@ -91,6 +94,7 @@ class RunState:
         # The device-side expert cache (device_cache.DeviceCache), or None; it serves decode steps (`cache_step`) only.
         self.cache = cache
         self.cache_step = False
+        self.step_tokens = 1      # new tokens per sequence of the call under way (1: a decode step)
         # quant_weights.Dequantizer of the tensors held quantized, or None: they become the compute dtype on the
         # device right before use.
         self.dequantizer = dequantizer

@@ -1,0 +1,72 @@
+"""The decode step compiled: transformers' own compiled-generate path, with the runtime's reads at its edges.
+
+`generate(..., cache_implementation="static", compile_config=...)` is how transformers compiles decoding:
+the prefill runs eagerly, every later step through `torch.compile` of the model's call over a static KV
+cache (fixed shapes, so one graph serves every step). `compile_kwargs` gives those arguments for a loaded
+model: inductor, `dynamic=False`, not fullgraph; on CUDA `mode="reduce-overhead"` (CUDA graphs: the
+resident part and the uva reads, which are kernels reading mapped host memory, are replayed as one graph
+per step).
+
+Where the graph breaks (routing is data-dependent):
+
+- the runtime's per-call hooks (runtime.py `_top_pre` / `_top_post`: the cache's length, the uva routes
+  counted with `torch.unique`) run eagerly at the start and end of each step;
+- an experts module whose selected experts must be gathered (split between tiers, the prefetch backend, the
+  device cache, the disk tier, quantized: experts.py `ExpertsState.gather`) breaks the graph at its
+  gather, which runs eagerly; the compute after it is traced again;
+- an offloaded embedding table's hook (its `torch.unique` of the token ids) and the disk tier's dense reads.
+
+Resident experts and whole host tensors under uva stay inside the graph, computed by the same grouped
+kernels as grouped.py (or the eager loop, traced, with experts="eager"). Counting is unchanged: every
+byte is counted by the same hooks and gathers, eagerly, so link and disk bytes and cache hits are the
+uncompiled run's. The first decode step pays the compilation; `compile_s` (measure/timing.py) is that
+step's time beyond a warm step's. torch caches compiled kernels on disk (inductor's FX graph cache, under
+its cache directory), so a second process compiles faster.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .grouped import check_kernels
+
+# Families whose decoding cache is not a static KV cache transformers can compile (state-space / linear
+# attention layers keep their own recurrent state).
+NOT_COMPILABLE = {"jamba": "Mamba layers", "qwen3_next": "Gated DeltaNet linear-attention layers"}
+
+
+def check_compile(model) -> None:
+    """Raise MoeOffloadError when this model's decode step cannot be compiled here, with why and the fix."""
+    from ..errors import MoeOffloadError
+
+    kind = getattr(model.config, "model_type", "")
+    if kind in NOT_COMPILABLE:
+        raise MoeOffloadError(f"--compile: {kind} decodes with {NOT_COMPILABLE[kind]}, whose cache transformers "
+                              "does not compile with a static KV cache; run without --compile")
+    check_kernels(model.moe_offload_runtime.device, "--compile")
+
+
+def compile_config(device: torch.device):
+    """transformers' CompileConfig for the decode step on `device`."""
+    from transformers import CompileConfig
+
+    cfg = CompileConfig(fullgraph=False, dynamic=False, backend="inductor",
+                        mode="reduce-overhead" if device.type == "cuda" else "default")
+    # transformers compiles generate's decode step on its own only on accelerators; asked, it does so anywhere.
+    cfg._compile_all_devices = True
+    return cfg
+
+
+def compile_kwargs(model) -> dict:
+    """The keyword arguments of `model.generate` that decode through the compiled step."""
+    check_compile(model)
+    return {"cache_implementation": "static", "compile_config": compile_config(model.moe_offload_runtime.device)}
+
+
+def compile_seconds(step_s: list[float]) -> float:
+    """What compiling cost: the first decode step's time beyond the median of the later ones (0 with no steps)."""
+    if not step_s:
+        return 0.0
+    rest = sorted(step_s[1:])
+    warm = rest[len(rest) // 2] if rest else 0.0
+    return max(step_s[0] - warm, 0.0)
