@@ -10,6 +10,7 @@ happens before the long work starts (loading, measuring), and nothing is left ha
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -66,7 +67,7 @@ def cmd_generate(args) -> int:
         # (min_new_tokens would instead forbid the EOS token and so change the text).
         kwargs["eos_token_id"] = []
     from ..measure.timing import TokenClock
-    from ..run.compiled import compile_kwargs, compile_seconds
+    from ..run.compiled import compile_kwargs, compile_seconds, decoding
 
     if args.compile:
         kwargs.update(compile_kwargs(model))
@@ -74,7 +75,7 @@ def cmd_generate(args) -> int:
     runtime.counter.reset()
     runtime.disk_counter.reset()
     start = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), decoding(model) if args.compile else contextlib.nullcontext():
         out = model.generate(**enc, **kwargs)
     elapsed = time.perf_counter() - start
     new = out[0, enc["input_ids"].shape[1]:].tolist()

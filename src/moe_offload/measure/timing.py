@@ -12,6 +12,7 @@ peak resident memory (RSS), which every arm reports.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import statistics
@@ -143,10 +144,13 @@ def greedy_generate(model, enc, max_new_tokens: int, device: torch.device, **gen
     rt = model.moe_offload_runtime
     first = len(rt.counter.calls)
     clock = TokenClock(device)
+    from ..run.compiled import decoding
+
     _sync(device)
     start = time.perf_counter()
-    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=[], streamer=clock, **generate_kwargs)
+    with decoding(model) if "compile_config" in generate_kwargs else contextlib.nullcontext():
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=[], streamer=clock, **generate_kwargs)
     _sync(device)
     times = [start, *clock.times]
     itl = [b - a for a, b in zip(times[1:], times[2:])]

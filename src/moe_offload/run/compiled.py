@@ -19,7 +19,8 @@ Where the graph breaks (routing is data-dependent):
 Resident experts and whole host tensors under uva stay inside the graph, computed by the same grouped
 kernels as grouped.py (or the eager loop, traced, with experts="eager"). Counting is unchanged: every
 byte is counted by the same hooks and gathers, eagerly, so link and disk bytes and cache hits are the
-uncompiled run's. The first decode step pays the compilation; `compile_s` (measure/timing.py) is that
+uncompiled run's. `decoding(model)` is the context compiled generate calls run in (the recompile limit
+raised to cover every layer's frame). The first decode step pays the compilation; `compile_s` (measure/timing.py) is that
 step's time beyond a warm step's. torch caches compiled kernels on disk (inductor's FX graph cache, under
 its cache directory), so a second process compiles faster.
 """
@@ -61,6 +62,15 @@ def compile_kwargs(model) -> dict:
     """The keyword arguments of `model.generate` that decode through the compiled step."""
     check_compile(model)
     return {"cache_implementation": "static", "compile_config": compile_config(model.moe_offload_runtime.device)}
+
+
+def decoding(model):
+    """The context a compiled generate runs in: dynamo may compile each decoder layer's frame apart (a gather
+    breaks the graph inside it, and its layer index is guarded on), so the recompile limit (8 by default, past
+    which frames run uncompiled with only a warning) is raised to cover every layer, for these calls only."""
+    layers = getattr(model.config, "num_hidden_layers", None) or getattr(
+        getattr(model.config, "text_config", None), "num_hidden_layers", 0) or 0
+    return torch._dynamo.config.patch(recompile_limit=max(8, 4 * layers + 16))
 
 
 def compile_seconds(step_s: list[float]) -> float:
