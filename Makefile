@@ -20,7 +20,10 @@ setup: $(BIN)/moe-offload
 # The exactness tests run twice: with the kernels torch and MKL pick for this CPU, then with the portable
 # ones (no AVX2/AVX-512 ATen kernels, MKL restricted to AVX2, as an AMD CPU gets it). Bit-identity must hold
 # on both paths: it may not depend on which CPU, BLAS build or alignment the suite happens to meet.
-SECOND_KERNEL_PATH := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX2 OMP_NUM_THREADS=1
+# torch.compile's on-disk cache does not key on ATEN_CPU_CAPABILITY: the second path keeps its own, else it would
+# reuse the first path's vectorized kernels (and fail to build them without the vector headers).
+SECOND_KERNEL_PATH := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX2 OMP_NUM_THREADS=1 \
+	TORCHINDUCTOR_CACHE_DIR=$(HOME)/.cache/moe-offload/inductor-second-kernel-path
 
 # The tests that check us against the real engines (marker `engines`) need `make engines` first: built once
 # (15-25 minutes on 2 cores), cached outside the repository, seconds after that. `make test ENGINES=0` runs

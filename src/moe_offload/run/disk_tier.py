@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -32,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from ..storage.disk import SafetensorsReader, checkpoint_readers
+from ..storage.disk_tensor import DiskTensor
 from ..storage.disk_prefetch import DensePrefetcher
 from ..errors import CheckpointError, MoeOffloadError
 from ..model.inventory import layer_prefix
@@ -47,116 +47,6 @@ if TYPE_CHECKING:
 # Selected experts' reads issued at once (one per expert and file): a disk serves a few requests in flight faster
 # than one at a time.
 READS_IN_FLIGHT = 4
-
-
-@dataclass(frozen=True)
-class DiskTensor:
-    """One in-memory tensor held on the disk tier: its full shape and dtype, and where its bytes are."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    pieces: tuple[tuple[SafetensorsReader, Slot], ...]
-    experts: int | None          # E for a routed-expert tensor [E, ...] read by expert, else None
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    @property
-    def row_bytes(self) -> int:
-        return math.prod(self.shape[1:]) * self.dtype.itemsize
-
-    @property
-    def prefetchable(self) -> bool:
-        """Read as stored in one piece (no transpose, concatenation or dtype change): a prefetch slot's view
-        of the stored bytes is the tensor itself."""
-        if len(self.pieces) != 1:
-            return False
-        reader, slot = self.pieces[0]
-        span = reader.span(slot.key)
-        return slot.is_whole and slot.transpose is None and span.dtype == self.dtype and span.shape == self.shape
-
-    def read_rows(self, ids: Sequence[int], out: torch.Tensor, pool: ThreadPoolExecutor | None = None) -> None:
-        """out[j] = this tensor's row ids[j] (expert or table row), for a contiguous CPU `out` [len(ids), ...].
-
-        `pool`: the selected experts' reads (one per expert and file) are issued on it concurrently: the disk
-        serves several requests in flight faster than one at a time (buffered reads; O_DIRECT ones share their
-        reader's bounce buffer and so run in turn)."""
-        ids = [int(e) for e in ids]
-        pos = {e: j for j, e in enumerate(ids)}
-        batched: dict[tuple[int, int], tuple[SafetensorsReader, list[str], list[torch.Tensor]]] = {}
-        for reader, slot in self.pieces:
-            if slot.expert is not None:                  # one checkpoint tensor per expert
-                j = pos.get(slot.expert)
-                if j is None:
-                    continue
-                dst = _part(out[j], slot)
-                if _direct(reader, slot, dst):           # read straight into its place, coalesced per file
-                    entry = batched.setdefault((id(reader), j), (reader, [], []))
-                    entry[1].append(slot.key)
-                    entry[2].append(dst)
-                else:
-                    _convert_into(dst, reader.read(slot.key), slot)
-            else:                                        # one checkpoint tensor spans every row
-                if slot.parts > 1 and slot.part_dim == 0:
-                    raise CheckpointError(f"checkpoint tensor {slot.key!r} is concatenated along the experts dim "
-                                          f"of {self.name}; the disk tier cannot read its experts apart: keep "
-                                          "it on the host or device")
-                dst = out
-                if slot.parts > 1:
-                    size = out.shape[slot.part_dim + 1] // slot.parts
-                    dst = out.narrow(slot.part_dim + 1, slot.part * size, size)
-                span = reader.span(slot.key)
-                if slot.transpose is None and span.dtype == out.dtype and dst.is_contiguous():
-                    reader.read_experts(slot.key, ids, out=dst)
-                else:
-                    _convert_into(dst, reader.read_experts(slot.key, ids), slot, leading=True)
-        jobs = list(batched.values())
-        if pool is not None and len(jobs) > 1:
-            for done in [pool.submit(reader.read_tensors, keys, outs) for reader, keys, outs in jobs]:
-                done.result()           # re-raises a read's CheckpointError here
-        else:
-            for reader, keys, outs in jobs:
-                reader.read_tensors(keys, outs)
-
-    def read_whole(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        out = torch.empty(self.shape, dtype=self.dtype) if out is None else out
-        if self.experts is not None or any(s.expert is not None for _, s in self.pieces):
-            self.read_rows(range(self.shape[0]), out)
-            return out
-        for reader, slot in self.pieces:
-            dst = _part(out, slot)
-            if _direct(reader, slot, dst):
-                reader.read(slot.key, out=dst)
-            else:
-                _convert_into(dst, reader.read(slot.key), slot)
-        return out
-
-
-def _part(dst: torch.Tensor, slot: Slot) -> torch.Tensor:
-    if slot.parts > 1:
-        size = dst.shape[slot.part_dim] // slot.parts
-        dst = dst.narrow(slot.part_dim, slot.part * size, size)
-    return dst
-
-
-def _direct(reader: SafetensorsReader, slot: Slot, dst: torch.Tensor) -> bool:
-    span = reader.span(slot.key)
-    return (dst.device.type == "cpu" and dst.is_contiguous() and span.dtype == dst.dtype
-            and span.shape == tuple(dst.shape)
-            and (slot.transpose is None or slot.transpose_if_needed))
-
-
-def _convert_into(dst: torch.Tensor, src: torch.Tensor, slot: Slot, leading: bool = False) -> None:
-    """As the loader writes a checkpoint tensor: transposed first where its slot says (only when it does not
-    already fit, for transformers' check_dims), then copied (converting the dtype where --dtype asks)."""
-    if slot.transpose is not None and not (slot.transpose_if_needed and tuple(src.shape) == tuple(dst.shape)):
-        src = src.transpose(*slot.transpose)
-    if tuple(src.shape) != tuple(dst.shape):
-        raise CheckpointError(f"checkpoint tensor {slot.key!r} has shape {list(src.shape)} where its place in "
-                              f"{slot.target} has {list(dst.shape)}; the checkpoint does not match config.json")
-    dst.copy_(src)
 
 
 class DiskTier:
@@ -254,13 +144,14 @@ class DiskTier:
 
     # --- experts --------------------------------------------------------------------------
     def stage_experts(self, rt: RunState, src: DiskTensor, selected: torch.Tensor, split: "ExpertSplit | None",
-                      *, key: str) -> torch.Tensor:
+                      *, key: str, cached=None) -> torch.Tensor:
         """The `selected` experts (ascending ids) of `src`, in that order, in a reused device buffer [U, ...]:
-        those on disk read from the checkpoint, a split tensor's resident ones by a device-local gather."""
+        those on disk read from the checkpoint (or, `cached` = (host_cache.HostCache, its Decision for this layer
+        step, this tensor's index), from host memory where the host cache holds them), a split tensor's resident
+        ones by a device-local gather."""
         out = rt.buffer(("rows", key, src.shape[1:], src.dtype), (selected.numel(), *src.shape[1:]), src.dtype)
         if split is None:
-            ids = selected.tolist()
-            self._read_rows(src, ids, out, key)
+            self._fetch(rt, src, selected.tolist(), out, key, cached)
         else:
             mask = split.on_host[selected]                      # on disk, for a disk-tier split
             rows = split.row[selected]
@@ -270,10 +161,47 @@ class DiskTier:
             if ids:
                 tmp = rt.buffer(("disk-rows", key, src.shape[1:], src.dtype), (len(ids), *src.shape[1:]),
                                 src.dtype)
-                self._read_rows(src, ids, tmp, key)
+                self._fetch(rt, src, ids, tmp, key, cached)
                 out.index_copy_(0, there, tmp)
-        rt.disk_counter.add(src.row_bytes * len(ids))
         return out
+
+    def _fetch(self, rt: RunState, src: DiskTensor, ids: list[int], dest: torch.Tensor, key: str, cached) -> None:
+        """dest[j] = expert ids[j]'s row: from the host cache where it holds it (host-link bytes), else from the
+        checkpoint (disk bytes), an admitted one then copied into its pages."""
+        if cached is None:
+            self._read_rows(src, ids, dest, key)
+            rt.disk_counter.add(src.row_bytes * len(ids))
+            return
+        cache, decision, t = cached
+        miss = [e for e in ids if not decision.hit.get(e, False)]
+        rows = dest if dest.device.type == "cpu" else torch.empty(tuple(dest.shape), dtype=dest.dtype)
+        got = None
+        if miss:
+            got = self._cpu_rows(key, src, len(miss))
+            src.read_rows(miss, got, self._pool)
+        m = 0
+        for j, e in enumerate(ids):
+            if decision.hit.get(e, False):
+                cache.read(decision, t, e, rows[j])
+                continue
+            rows[j].copy_(got[m])
+            if e in decision.pages:          # admitted by the policy: into the pages it claimed
+                cache.store(decision, t, e, got[m])
+            m += 1
+        if rows is not dest:
+            dest.copy_(rows)
+        rt.disk_counter.add(src.row_bytes * len(miss))
+        rt.counter.add(src.row_bytes * (len(ids) - len(miss)))
+
+    def _cpu_rows(self, key: str, src: DiskTensor, count: int) -> torch.Tensor:
+        """A reused host buffer for `count` rows of `src` read from disk before they go to the host cache."""
+        k = ("miss", key, src.shape[1:], src.dtype)
+        buf = self._staging.get(k)
+        need = count * math.prod(src.shape[1:])
+        if buf is None or buf.numel() < need:
+            buf = torch.empty(need, dtype=src.dtype)
+            self._staging[k] = buf
+        return buf[:need].view(count, *src.shape[1:])
 
     def _read_rows(self, src: DiskTensor, ids: list[int], out: torch.Tensor, key: str) -> None:
         if out.device.type == "cpu":

@@ -132,8 +132,13 @@ class ExpertsState:
         local = torch.searchsorted(selected, top_k_index)       # [T, k] in 0..U-1
         on_host: dict[tuple[int, ...], tuple[torch.Tensor, int]] = {}   # host_ids -> (mask [U], count)
         staged = rt.cache.gather(rt, self, selected) if cached else {}
+        # Disk-tier experts: from the host cache where it holds them (host_cache.py), else from the checkpoint.
+        hc = rt.host_cache if rt.host_cache_step and self.disk else None
+        decision = hc.decide(self.layer, selected.tolist()) if hc is not None and hc.serves(self.layer) else None
         for name, src in self.disk.items():                     # read from the checkpoint (disk_tier.py)
-            staged[name] = rt.disk.stage_experts(rt, src, selected, self.split.get(name), key=name)
+            t = hc.tensor_index(self.layer, name) if decision is not None else None
+            staged[name] = rt.disk.stage_experts(rt, src, selected, self.split.get(name), key=name,
+                                                 cached=None if t is None else (hc, decision, t))
         for name, t in self.offloaded.items():
             if name in staged:                                  # gathered through the device cache
                 continue

@@ -53,7 +53,8 @@ class Runtime(RunState):
     def __init__(self, model: nn.Module, *, device: torch.device, backend: str, arena, host_names: dict[str, str],
                  host_tensors: dict[str, torch.Tensor] | None = None, plan=None,
                  splits: dict[str, ExpertSplit] | None = None, recorder: Recorder | None = None,
-                 cache: "DeviceCache | None" = None, quant: dict | None = None, disk=None, experts="eager"):
+                 cache: "DeviceCache | None" = None, quant: dict | None = None, disk=None, experts="eager",
+                 host_cache=None):
         from ..errors import DeviceError
 
         if backend not in BACKENDS:
@@ -62,7 +63,8 @@ class Runtime(RunState):
         # the dequantizer turns them into the compute dtype on the device right before use.
         self.quant = dict(quant or {})
         super().__init__(device=device, backend=backend, recorder=recorder, cache=cache, disk=disk,
-                         dequantizer=Dequantizer(device, self.quant) if self.quant else None, experts=experts)
+                         dequantizer=Dequantizer(device, self.quant) if self.quant else None, experts=experts,
+                         host_cache=host_cache)
         self.model = model
         self.arena = arena
         self.host_names = dict(host_names)  # in-memory name -> tier ("host"/"disk"), tracked by name
@@ -159,6 +161,8 @@ class Runtime(RunState):
                                   "only routed-expert tensors of an experts module can go in part")
         if self.cache is not None:
             self.cache.attach(states, self.device)
+        if self.host_cache is not None:
+            self.host_cache.attach(states)
         if experts_modules:
             self.model.set_experts_implementation(EXPERTS_IMPL)
         self.handles.append(self.model.register_forward_pre_hook(self._top_pre, with_kwargs=True))
@@ -177,6 +181,8 @@ class Runtime(RunState):
             dense.release()
         if self.cache is not None:   # weights may change before attach(): cached copies would go stale
             self.cache.drop_all()
+        if self.host_cache is not None:
+            self.host_cache.drop_all()
         self.routes.clear()
         self.routed.clear()
 
@@ -209,6 +215,10 @@ class Runtime(RunState):
         self.cache_step = self.cache is not None and (self._decode if self._decode is not None else self.step_tokens == 1)
         if self.cache_step:
             self.cache.policy.begin_step()   # where a step starts, as replay marks it per decoded token
+        self.host_cache_step = self.host_cache is not None and (
+            self._decode if self._decode is not None else self.step_tokens == 1)
+        if self.host_cache_step:
+            self.host_cache.policy.begin_step()
 
     @torch.compiler.disable
     def _top_post(self, module, args, kwargs, output):

@@ -79,7 +79,7 @@ class RunState:
     """One loaded model's reading state: device and backend, counters, staging buffers, hook handles, routing."""
 
     def __init__(self, *, device: torch.device, backend: str, recorder: Recorder | None = None, cache=None,
-                 disk=None, dequantizer=None, experts=ExpertsMode.EAGER):
+                 disk=None, dequantizer=None, experts=ExpertsMode.EAGER, host_cache=None):
         self.device = device
         self.backend = backend
         self.compute = ExpertsCompute(experts)
@@ -94,6 +94,9 @@ class RunState:
         # The device-side expert cache (device_cache.DeviceCache), or None; it serves decode steps (`cache_step`) only.
         self.cache = cache
         self.cache_step = False
+        # The host-memory cache of disk-tier experts (host_cache.HostCache), or None; decode steps only too.
+        self.host_cache = host_cache
+        self.host_cache_step = False
         self.step_tokens = 1      # new tokens per sequence of the call under way (1: a decode step)
         # quant_weights.Dequantizer of the tensors held quantized, or None: they become the compute dtype on the
         # device right before use.

@@ -1,0 +1,180 @@
+"""The host-memory cache of disk-tier experts: a disk expert read once stays in RAM while its policy keeps it.
+
+`load(host_cache_gb=X, cache_policy=P)` gives the runtime a `HostCache`: host memory carved once, at load,
+out of the host budget, for routed experts that the plan leaves on the disk tier, run by one policy object
+of cache_policy.py (the objects the device cache and `replay` drive: `--cache-policy` names the policy of
+both levels; one policy for both is right here because the two levels see the same access sequence, the
+host cache only its disk part).
+
+Which calls: decode steps only, as the device cache (a prefill reads as without it and leaves it as it was).
+Order of accesses, as replay makes them: per decode step, layer by layer, per layer the selected experts
+with disk bytes in ascending id, `policy.access((layer, expert), nbytes)`, nbytes the expert's bytes over
+every disk-tier tensor of its layer.
+
+Reads, for one layer step (disk_tier.DiskTier.stage_experts does the copies):
+    hit        its rows copied from the cache's pages (host memory): counted as host-link bytes, no disk read
+    miss       read from the checkpoint (counted as disk bytes); admitted by the policy, its rows are then
+               copied into pages it claimed (victims' pages freed first)
+
+Memory: one arena of `pages x page_bytes` (uint8), page_bytes the gcd of every disk-tier expert row, so any
+set of experts within capacity_bytes fits without fragmentation (device_cache.py's scheme, in host memory).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from ..errors import BudgetError
+from ..planning.placement import format_bytes
+from ..routing.cache_policy import make_cache
+from ..routing.expert_cache import ExpertCache
+
+Key = tuple[int, int]   # (layer, expert)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One experts module's disk-tier tensors, as the host cache sees them."""
+
+    layer: int
+    names: tuple[str, ...]                    # disk-tier tensors (local names)
+    row_bytes: tuple[int, ...]                # per tensor: one expert's bytes
+    on_disk: tuple[tuple[bool, ...], ...]     # per tensor, per expert: is that expert on disk
+    nbytes: tuple[int, ...]                   # per expert: its disk bytes over every tensor of the layer
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one layer step does with each of its selected disk experts (ascending ids)."""
+
+    layer: int
+    hit: dict[int, bool]          # expert -> read from the cache
+    pages: dict[int, tuple]       # expert -> per tensor, its pages (hits: to read; admitted misses: to fill)
+
+
+class HostCache:
+    """Disk-tier routed experts kept in host memory, in pages carved once, under one cache policy."""
+
+    def __init__(self, policy: str, capacity_bytes: int):
+        self.policy_name = policy
+        self.capacity_bytes = capacity_bytes
+        self.policy: ExpertCache = make_cache(policy, capacity_bytes)
+        self.page_bytes = 0
+        self.arena: torch.Tensor | None = None
+        self._free: list[int] = []
+        self._pages: dict[Key, tuple[list[int], ...]] = {}
+        self._layers: dict[int, _Layer] = {}
+
+    def attach(self, states: Mapping[str, object]) -> None:
+        """Lay the cache out over the experts modules' disk-tier tensors (module name -> experts.ExpertsState)."""
+        self.drop_all()
+        layers: dict[int, _Layer] = {}
+        for state in states.values():
+            if state.layer is None or not state.disk:
+                continue
+            names, rows, disk = [], [], []
+            for name, src in state.disk.items():
+                if src.experts is None:
+                    continue
+                split = state.split.get(name)
+                ids = set(split.host_ids) if split is not None else set(range(src.experts))
+                names.append(name)
+                rows.append(src.row_bytes)
+                disk.append(tuple(e in ids for e in range(src.experts)))
+            if names:
+                n = len(disk[0])
+                nbytes = tuple(sum(b for b, d in zip(rows, disk) if d[e]) for e in range(n))
+                layers[state.layer] = _Layer(state.layer, tuple(names), tuple(rows), tuple(disk), nbytes)
+        self._layers = layers
+        rows = [b for lay in layers.values() for b in lay.row_bytes]
+        if not rows:
+            self.page_bytes, self.arena, self._free = 0, None, []
+            return
+        page = math.gcd(*rows)
+        biggest = max((n, lay.layer, e) for lay in layers.values() for e, n in enumerate(lay.nbytes))
+        if biggest[0] > self.capacity_bytes:
+            raise BudgetError(f"a host cache of {format_bytes(self.capacity_bytes)} cannot hold one disk expert "
+                              f"(layer {biggest[1]}, expert {biggest[2]}: {format_bytes(biggest[0])}); give "
+                              f"--host-cache-gb of at least {biggest[0] / (1 << 30):.4g}, or 0 for none")
+        total = sum(n // page for lay in layers.values() for n in lay.nbytes)
+        pages = min(self.capacity_bytes // page, total)
+        if self.arena is None or tuple(self.arena.shape) != (pages, page):
+            self.arena = torch.empty((pages, page), dtype=torch.uint8)
+        self.page_bytes = page
+        self._free = list(range(pages - 1, -1, -1))
+
+    @property
+    def host_bytes(self) -> int:
+        return 0 if self.arena is None else self.arena.numel()
+
+    def serves(self, layer: int | None) -> bool:
+        return layer in self._layers
+
+    # --- contents ----------------------------------------------------------------------------
+    def drop_all(self) -> None:
+        for key in list(self._pages):
+            self.policy.invalidate(key)
+            for pages in self._pages.pop(key):
+                self._free.extend(pages)
+
+    def reset(self) -> None:
+        """Empty, with a fresh policy (no history, counts at 0): as just after load."""
+        self.drop_all()
+        self.policy = make_cache(self.policy_name, self.capacity_bytes)
+
+    def contents(self) -> set[Key]:
+        return set(self._pages)
+
+    def stats(self) -> dict:
+        return {"host_cache_policy": self.policy_name, "host_cache_bytes": self.capacity_bytes,
+                "host_cache_hits": self.policy.hits, "host_cache_misses": self.policy.misses,
+                "host_cache_evictions": self.policy.evictions, "host_cache_host_bytes": self.host_bytes}
+
+    # --- one layer step ----------------------------------------------------------------------
+    def decide(self, layer: int, ids: list[int]) -> Decision:
+        """The policy's decisions for the selected experts `ids` (ascending) of `layer`, in replay's order."""
+        lay = self._layers[layer]
+        hit, pages = {}, {}
+        for e in ids:
+            nbytes = lay.nbytes[e]
+            if not nbytes:
+                continue
+            key = (layer, e)
+            hit[e] = self.policy.access(key, nbytes)
+            for victim in self.policy.last_evicted:
+                for victim_pages in self._pages.pop(victim):
+                    self._free.extend(victim_pages)
+            if not hit[e] and key in self.policy:       # admitted: claim its pages now
+                self._pages[key] = tuple([self._free.pop() for _ in range(b // self.page_bytes if d[e] else 0)]
+                                         for b, d in zip(lay.row_bytes, lay.on_disk))
+            if key in self._pages:
+                pages[e] = self._pages[key]
+        return Decision(layer, hit, pages)
+
+    def tensor_index(self, layer: int, name: str) -> int | None:
+        lay = self._layers.get(layer)
+        return lay.names.index(name) if lay is not None and name in lay.names else None
+
+    def read(self, decision: Decision, t: int, expert: int, out_row: torch.Tensor) -> None:
+        """out_row (one expert's row of tensor t, contiguous, on the cpu) <- its cached pages."""
+        pages = decision.pages[expert][t]
+        out_row.view(-1).view(torch.uint8).view(-1, self.page_bytes).copy_(
+            self.arena.index_select(0, torch.tensor(pages, dtype=torch.long)))
+
+    def store(self, decision: Decision, t: int, expert: int, row: torch.Tensor) -> None:
+        """The admitted expert's row of tensor t (contiguous, on the cpu) -> its pages."""
+        pages = decision.pages[expert][t]
+        self.arena.index_copy_(0, torch.tensor(pages, dtype=torch.long),
+                               row.reshape(-1).view(torch.uint8).view(-1, self.page_bytes))
+
+
+def host_cache_stats(cache: HostCache | None) -> dict:
+    """The host cache's counts for reports; without one: no policy, all zeros."""
+    if cache is None:
+        return {"host_cache_policy": None, "host_cache_bytes": 0, "host_cache_hits": 0, "host_cache_misses": 0,
+                "host_cache_evictions": 0, "host_cache_host_bytes": 0}
+    return cache.stats()
