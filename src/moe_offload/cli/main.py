@@ -83,6 +83,10 @@ def _runtime_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-policy", metavar="P",
                    help=f"with --cache-gb: {', '.join(cache_policy_names())} (default {DEFAULT_CACHE_POLICY}; belady, "
                         "the offline optimum, only in replay)")
+    p.add_argument("--host-cache-gb", type=float, metavar="X",
+                   help="host-memory cache of X GiB for disk-tier routed experts (a hit reads RAM, not the disk), "
+                        "under --cache-policy, carved out of --host-memory (CPU-only: out of --reserve-gb) "
+                        "(default: none)")
     p.add_argument("--experts", choices=["eager", "grouped"], default="eager",
                    help="eager: the experts class's own loop (default: the model's arithmetic, as transformers); "
                         "grouped: a decode step's selected experts computed together, one fused gather-GEMV kernel "
@@ -158,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--plan", metavar="PLAN.json", help="replay this saved plan instead of planning from the options")
     r.add_argument("--cache-gb", type=float, metavar="X", help="device-side expert cache of X GiB (default: none)")
     r.add_argument("--cache-policy", metavar="P", help="lru, lfu, ..., or belady (the offline optimum)")
+    r.add_argument("--host-cache-gb", type=float, metavar="X",
+                   help="host-memory cache of X GiB for disk-tier experts, below the device cache, the same policy; "
+                        "carved out of --host-memory (CPU-only: --reserve-gb) as load carves it (default: none)")
     _device_option(r)
     r.add_argument("--json", action="store_true", help="print the result as one JSON document")
     r.set_defaults(func=cmd_replay)

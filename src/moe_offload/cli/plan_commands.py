@@ -66,15 +66,24 @@ def cmd_replay(args) -> int:
                 raise MoeOffloadError("--policy oracle takes its statistics from --trace itself: drop --stats, or "
                                       "use --policy frequency --stats TRACE")
             policy, stats = "frequency", expert_counts(trace)
+        cpu_only = cpu_only_device(args.device)
+        if args.host_cache_gb:   # carved out of the host budget, as load carves it: the plan the runtime gets
+            from ..run.host_cache import carve
+
+            budget = {k: v for k, v in carve(int(args.host_cache_gb * (1 << 30)), {**budget, "cpu_only": cpu_only},
+                                             planned=False)[0].items() if k != "cpu_only"}
         plan = planner.plan(inv, policy=policy, offload_params=args.offload_params, stats=stats,
-                            cpu_only=cpu_only_device(args.device), **budget)
+                            cpu_only=cpu_only, **budget)
     result = replay(plan, trace, cache_gb=args.cache_gb, cache_policy=args.cache_policy,
-                    policy="oracle" if args.policy == "oracle" else None)
+                    policy="oracle" if args.policy == "oracle" else None, host_cache_gb=args.host_cache_gb)
     if args.json:
         print(json.dumps(result.to_dict()))
         return 0
     cache = (f"{result.cache_policy} cache of {format_bytes(result.cache_bytes)}: {result.cache_hits} hits, "
              f"{result.cache_misses} misses" if result.cache_policy else "no cache")
+    if result.host_cache_policy:
+        cache += (f"; host cache {result.host_cache_policy} of {format_bytes(result.host_cache_bytes)}: "
+                  f"{result.host_cache_hits} hits, {result.host_cache_misses} misses")
     print(f"{result.tokens} decode tokens of {args.trace} under {result.policy} "
           f"({format_bytes(result.offloaded_bytes)} offloaded), {cache}")
     print(f"link bytes per decoded token: {format_bytes(result.link_bytes_per_token)} "

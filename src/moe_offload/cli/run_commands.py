@@ -38,7 +38,8 @@ def load_for_cli(args, **extra):
     tokenizer = load_tokenizer(folder)
     model, plan = load(folder, device=args.device, backend=args.backend,
                        progress=not getattr(args, "json", False) and sys.stderr.isatty(), **placement,
-                       cache_gb=args.cache_gb, cache_policy=args.cache_policy, experts=args.experts, **extra)
+                       cache_gb=args.cache_gb, cache_policy=args.cache_policy, experts=args.experts,
+                       host_cache_gb=args.host_cache_gb, **extra)
     return model, plan, tokenizer
 
 
@@ -48,6 +49,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from ..run.device_cache import cache_stats
+    from ..run.host_cache import host_cache_stats
     from ..planning.placement import format_bytes
 
     if args.max_new_tokens < 1:
@@ -103,6 +105,7 @@ def cmd_generate(args) -> int:
         "compile": bool(args.compile),
         "compile_s": compile_s,   # the first compiled step's time beyond a warm one (None uncompiled)
         **cache_stats(runtime.cache),   # cache_policy, cache_bytes, cache_hits, cache_misses, ...: decode steps
+        **host_cache_stats(runtime.host_cache),   # host_cache_policy, host_cache_bytes, host_cache_hits, ...
     }
     if args.json:
         print(json.dumps(result))
@@ -122,6 +125,10 @@ def cmd_generate(args) -> int:
         print(f"-- of which read from the checkpoint by the disk tier: "
               f"{format_bytes(result['disk_read_bytes_per_token'])} per decoded token, "
               f"{format_bytes(runtime.disk.bytes_read)} in {runtime.disk.read_calls} reads in all", file=sys.stderr)
+    if runtime.host_cache is not None:
+        hc = host_cache_stats(runtime.host_cache)
+        print(f"-- host cache {hc['host_cache_policy']} of {format_bytes(hc['host_cache_bytes'])}: "
+              f"{hc['host_cache_hits']} hits, {hc['host_cache_misses']} misses over the decode steps", file=sys.stderr)
     if runtime.cache is not None:
         print(f"-- device cache {result['cache_policy']} of {format_bytes(result['cache_bytes'])} "
               f"({format_bytes(result['cache_device_bytes'])} carved): {result['cache_hits']} hits, "
@@ -160,7 +167,8 @@ def cmd_bench(args) -> int:
                      dtype=args.dtype, device=args.device, backend=args.backend, prompts=prompts,
                      same_prompt=args.same_prompt, link_gbps=args.link_gbps, threads=args.threads,
                      cache_gb=args.cache_gb, cache_policy=args.cache_policy, stats=routing_stats(args.stats),
-                     plan=plan, progress=sys.stderr.isatty(), experts=args.experts, compile=args.compile)
+                     plan=plan, progress=sys.stderr.isatty(), experts=args.experts, compile=args.compile,
+                     host_cache_gb=args.host_cache_gb)
     to_stdout = args.json == "-"
     print_table(rows, Console(stderr=True) if to_stdout else None)  # stdout holds only the JSON with --json -
     # Both outputs or neither: the plot (the one that can fail on content) first, then the JSON.

@@ -62,17 +62,21 @@ def _parameters_on_meta():
 
 def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str | Path | None = None,
          dtype: str | None = None, progress: bool = False, cache_gb: float | None = None,
-         cache_policy: str | None = None, experts: str | None = None, **budget):
+         cache_policy: str | None = None, experts: str | None = None, host_cache_gb: float | None = None,
+         **budget):
     """Build, load and attach a runtime. Returns (model, plan).
 
     `budget`: offload_gb, device_memory_gb, reserve_gb, policy, offload_params, batch (as `moe_offload.plan`).
     `plan`: a Plan (or its JSON file) to apply instead of planning here.
     `cache_gb`: a device-side cache of that many GiB for offloaded routed experts (device_cache.py), under
     `cache_policy` (cache_policy.py; default its DEFAULT_CACHE_POLICY); 0 or None is no cache.
+    `host_cache_gb`: a host-memory cache of that many GiB for disk-tier routed experts (host_cache.py), under the
+    same `cache_policy`, carved out of host_memory_gb (or, CPU-only, out of reserve_gb).
     `experts`: how selected experts are computed, "eager" (the class's loop, default) or "grouped" (run/grouped.py).
     """
     from ..run.auditor import audit
     from ..run.grouped import ExpertsMode, check_kernels, experts_mode
+    from ..run.host_cache import HostCache, carve
     from ..errors import AuditError
     from ..run.runtime import BACKENDS, Runtime
 
@@ -88,7 +92,14 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
         raise DeviceError(f"unknown backend {backend!r}: use uva or prefetch")
     if dtype is not None and dtype not in DTYPE_NAMES:
         raise ConfigError(f"unknown dtype {dtype!r}: use bf16, fp16 or fp32")
-    cache_bytes, cache_policy = cache_options(cache_gb, cache_policy)
+    if host_cache_gb is not None:   # --cache-policy names the policy of both levels
+        host_cache_bytes, host_policy = cache_options(host_cache_gb, cache_policy)
+        cache_bytes, cache_policy = cache_options(cache_gb, cache_policy if cache_gb is not None else None)
+        cache_policy = host_policy if cache_gb is None else cache_policy
+    else:
+        host_cache_bytes = 0
+        cache_bytes, cache_policy = cache_options(cache_gb, cache_policy)
+    budget, host_note = carve(host_cache_bytes, budget, planned=plan is not None)
 
     source = "the plan"
     if isinstance(plan, (str, Path)):
@@ -111,8 +122,9 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
         check_plan(plan, inv, source=source, model=str(folder))
     check_capacity(cache_bytes, plan)
     note = reserve_note(cache_bytes, cache_policy, budget.get("device_memory_gb"), budget.get("reserve_gb"))
-    if note:
-        plan = dataclasses.replace(plan, notes=(*plan.notes, note))
+    for n in (note, host_note):
+        if n:
+            plan = dataclasses.replace(plan, notes=(*plan.notes, n))
     on_disk = sum(t.offloaded_bytes for t in plan.tensors if t.tier == Tier.DISK and t.role == "routed_expert")
     if cache_bytes and on_disk:
         plan = dataclasses.replace(plan, notes=(*plan.notes, (
@@ -148,7 +160,8 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
         runtime = Runtime(model, device=dev, backend=backend, arena=arena, host_names=host_names,
                           host_tensors=host_tensors, plan=plan, splits=splits,
                           cache=DeviceCache(cache_policy, cache_bytes) if cache_bytes else None, quant=quant,
-                          disk=disk, experts=experts)
+                          disk=disk, experts=experts,
+                          host_cache=HostCache(cache_policy, host_cache_bytes) if host_cache_bytes else None)
         runtime.attach()
         model.moe_offload_runtime = runtime
         mismatches = audit(model, plan)

@@ -105,7 +105,7 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str | None = None,
               same_prompt: bool = False, link_gbps: float | None = None, threads: int | None = None,
               cache_gb: float | None = None, cache_policy: str | None = None, stats=None,
               plan: Plan | None = None, progress: bool = False, experts: str | None = None,
-              compile: bool = False, log: Callable[[str], None] | None = None) -> list[dict]:
+              compile: bool = False, host_cache_gb: float | None = None, log: Callable[[str], None] | None = None) -> list[dict]:
     """Measure every arm at every concurrency level; one row per (arm, concurrency), in that order.
 
     Skipped arms (resident when the model does not fit) are reported through `log`
@@ -117,7 +117,8 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str | None = None,
     per expert, traces.expert_counts), which needs them. `plan`: a saved plan, benched as the arm `plan`
     (arms.arms_of_plan: `resident` may stand beside it; arms None is the plan alone), instead of a budget.
     `experts` ("eager" / "grouped", as `load`) and `compile` (the decode step compiled, run/compiled.py) apply to
-    every arm on our runtime; rows say which, and a compiled row its `compile_s`.
+    every arm on our runtime; rows say which, and a compiled row its `compile_s`. `host_cache_gb`: one host-memory
+    cache of disk-tier experts, the same for every arm (as `load`; rows carry host_cache_*).
     """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -226,7 +227,7 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str | None = None,
                     continue
                 tracked, first_row = reset_peak_rss(), len(rows)   # peak RSS over this arm's load and runs
                 model, applied = load(folder, device=dev, backend=backend, dtype=dtype, cache_gb=cache_gb,
-                                      cache_policy=cache_policy, experts=experts,
+                                      cache_policy=cache_policy, experts=experts, host_cache_gb=host_cache_gb,
                                       **arm.load_kwargs(budget, stats, plan))
                 try:
                     for c in levels:

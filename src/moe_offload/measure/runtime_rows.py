@@ -41,6 +41,9 @@ def measure(model, enc, runs: int, max_new_tokens: int, device: torch.device, de
             cache = model.moe_offload_runtime.cache
             if cache is not None:
                 cache.reset()
+            host_cache = model.moe_offload_runtime.host_cache
+            if host_cache is not None:
+                host_cache.reset()
             rt, calls = model.moe_offload_runtime, []
             record = i > 0 and needs_routing(rt.plan)
             if record:   # the routing of the measured runs, for bf16_link_bytes_per_token
@@ -58,6 +61,8 @@ def measure(model, enc, runs: int, max_new_tokens: int, device: torch.device, de
             run.decode_routing = calls[1:]              # the first call is the prefill
             if cache is not None:
                 run.cache_hits, run.cache_misses = cache.policy.hits, cache.policy.misses
+            if host_cache is not None:
+                run.host_cache_hits, run.host_cache_misses = host_cache.policy.hits, host_cache.policy.misses
             if i > 0:
                 measured.append(run)
             advance()
@@ -119,6 +124,10 @@ def make_row(arm: Arm, c: int, runs: list[Run], model, plan, *, prompts: list[st
         "cache_bytes": 0 if rt.cache is None else rt.cache.capacity_bytes,
         "cache_hits": sum(r.cache_hits for r in runs),       # over the measured runs' decode steps
         "cache_misses": sum(r.cache_misses for r in runs),
+        "host_cache_policy": None if rt.host_cache is None else rt.host_cache.policy_name,
+        "host_cache_bytes": 0 if rt.host_cache is None else rt.host_cache.capacity_bytes,
+        "host_cache_hits": sum(r.host_cache_hits for r in runs),
+        "host_cache_misses": sum(r.host_cache_misses for r in runs),
         "host_bytes": rt.host_bytes,
         "device_bytes": int(device_bytes),
         "same_prompt": same_prompt,

@@ -40,6 +40,8 @@ class Run:
     token_ids: torch.Tensor         # [c, max_new_tokens]
     cache_hits: int = 0             # device cache accesses of the run's decode steps (0 without a cache)
     cache_misses: int = 0
+    host_cache_hits: int = 0        # the host cache of disk-tier experts, likewise
+    host_cache_misses: int = 0
     # run/state.RoutedCall of each decode step, recorded only where a bf16 comparison needs it
     # (runtime_rows.needs_routing)
     decode_routing: list = field(default_factory=list)

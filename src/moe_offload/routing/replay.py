@@ -36,6 +36,11 @@ class ReplayResult:
     cache_policy: str | None
     offloaded_bytes: int
     cache_bytes: int
+    # the host-memory cache of disk-tier experts (--host-cache-gb): its policy (None: none), size and counts
+    host_cache_policy: str | None = None
+    host_cache_bytes: int = 0
+    host_cache_hits: int = 0
+    host_cache_misses: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -52,10 +57,13 @@ class RoutingCost:
     cache_hits: int
 
 
-def replay_routing(tb: TokenBytes, ids: np.ndarray, *, cache=None) -> RoutingCost:
+def replay_routing(tb: TokenBytes, ids: np.ndarray, *, cache=None, host_cache=None) -> RoutingCost:
     """Bytes read by the tokens of `ids` ([T, layers, width] expert ids in `tb.layers` order, -1 = none).
 
     cache: an object with access(key, nbytes) -> hit (cache_policy.make_cache), or None.
+    host_cache: the same for the host-memory cache of disk-tier experts (run/host_cache.py): an expert with disk
+    bytes that the device cache did not hold is looked up there (its disk bytes); a hit reads them from host
+    memory (host bytes) instead of the disk.
     """
     t, n_layers, _ = ids.shape
     if n_layers != len(tb.layers):
@@ -64,7 +72,7 @@ def replay_routing(tb: TokenBytes, ids: np.ndarray, *, cache=None) -> RoutingCos
     host = np.concatenate([tb.expert_host, np.zeros((n_layers, 1), np.int64)], axis=1)
     disk = np.concatenate([tb.expert_disk, np.zeros((n_layers, 1), np.int64)], axis=1)
     host_bytes, disk_bytes = t * tb.dense_host, t * tb.dense_disk
-    if cache is None:
+    if cache is None and host_cache is None:
         reads = 0
         for i in range(n_layers):
             h, d = host[i][ids[:, i, :]], disk[i][ids[:, i, :]]   # [T, width] bytes of each pick
@@ -75,20 +83,29 @@ def replay_routing(tb: TokenBytes, ids: np.ndarray, *, cache=None) -> RoutingCos
 
     tok, lay, experts = _access_order(tb, ids)
     nbytes = (host + disk)[lay, experts].tolist()
+    dbytes = disk[lay, experts].tolist()
     keys = list(zip(np.asarray(tb.layers, dtype=np.int64)[lay].tolist(), experts.tolist()))
     ends = np.searchsorted(tok, np.arange(1, t + 1)).tolist()   # accesses of token i: [ends[i-1], ends[i])
-    access, begin = cache.access, cache.begin_step
-    hit = np.zeros(len(keys), dtype=bool)
+    hit = np.zeros(len(keys), dtype=bool)       # held by the device cache: nothing read
+    in_host = np.zeros(len(keys), dtype=bool)   # its disk bytes held by the host cache: read from host memory
     start = 0
     for end in ends:   # every token is one decode step, as the runtime marks it (even one reading nothing)
-        begin()
+        if cache is not None:
+            cache.begin_step()
+        if host_cache is not None:
+            host_cache.begin_step()
         for j in range(start, end):
-            hit[j] = access(keys[j], nbytes[j])
+            if cache is not None:
+                hit[j] = cache.access(keys[j], nbytes[j])
+            if host_cache is not None and not hit[j] and dbytes[j]:
+                in_host[j] = host_cache.access(keys[j], dbytes[j])
         start = end
     miss = ~hit
-    host_bytes += int(host[lay[miss], experts[miss]].sum())
-    disk_bytes += int(disk[lay[miss], experts[miss]].sum())
-    return RoutingCost(t, host_bytes, disk_bytes, int(miss.sum()), int(hit.sum()))
+    moved = int(disk[lay[in_host], experts[in_host]].sum())   # disk bytes the host cache served
+    host_bytes += int(host[lay[miss], experts[miss]].sum()) + moved
+    disk_bytes += int(disk[lay[miss], experts[miss]].sum()) - moved
+    reads = int(miss.sum()) if cache is not None else int(np.count_nonzero(np.asarray(nbytes)))
+    return RoutingCost(t, host_bytes, disk_bytes, reads, int(hit.sum()))
 
 
 def _access_order(tb: TokenBytes, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -101,9 +118,13 @@ def _access_order(tb: TokenBytes, ids: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return tok, lay, picks[tok, lay, slot].astype(np.int64)
 
 
-def access_keys(tb: TokenBytes, ids: np.ndarray) -> list[tuple[int, int]]:
-    """The (layer, expert) keys a cache sees for `ids`, in access order (the future an offline policy needs)."""
+def access_keys(tb: TokenBytes, ids: np.ndarray, *, disk_only: bool = False) -> list[tuple[int, int]]:
+    """The (layer, expert) keys a cache sees for `ids`, in access order (the future an offline policy needs);
+    `disk_only`: those of experts with disk bytes (the host cache's accesses, without a device cache above it)."""
     _, lay, experts = _access_order(tb, ids)
+    if disk_only:
+        keep = tb.expert_disk[lay, experts] > 0
+        lay, experts = lay[keep], experts[keep]
     return list(zip(np.asarray(tb.layers, dtype=np.int64)[lay].tolist(), experts.tolist()))
 
 
@@ -117,8 +138,12 @@ def make_replay_cache(policy: str | None, capacity_bytes: int, future_keys):
 
 
 def replay(plan: Plan, trace: Trace, *, cache_gb: float | None = None, cache_policy: str | None = None,
-           policy: str | None = None) -> ReplayResult:
+           policy: str | None = None, host_cache_gb: float | None = None) -> ReplayResult:
     """Replay the decode tokens of `trace` (batch 1) under `plan` and an optional cache of `cache_gb` GiB.
+
+    host_cache_gb: a host-memory cache of disk-tier experts (the same policy), below the device cache. The plan
+    is taken as given: a runtime loaded with host_cache_gb planned with the cache carved out of its host memory
+    (run/host_cache.carve), so replay that plan (`replay --host-cache-gb` does).
 
     policy: the label reported (default: the plan's; replay's `oracle` is a frequency plan).
     """
@@ -133,19 +158,31 @@ def replay(plan: Plan, trace: Trace, *, cache_gb: float | None = None, cache_pol
     width = max(1, max(len(ids) for r in rows for ids in r.experts))
     dtype = np.int16 if tb.num_experts < 2 ** 15 else np.int32
     ids = routing_array(rows, width, len(tb.layers), dtype=dtype)
-    if cache_policy is not None and cache_gb is None:
+    if cache_policy is not None and cache_gb is None and host_cache_gb is None:
         raise MoeOffloadError(f"--cache-policy {cache_policy} without --cache-gb: give the cache size too")
     cache, name, capacity = None, None, 0
+    for flag, gb in (("--cache-gb", cache_gb), ("--host-cache-gb", host_cache_gb)):
+        if gb is not None and (not np.isfinite(gb) or gb < 0):
+            raise MoeOffloadError(f"{flag} {gb} is not a size: give a non-negative number of GiB")
     if cache_gb is not None:
-        if not np.isfinite(cache_gb) or cache_gb < 0:
-            raise MoeOffloadError(f"--cache-gb {cache_gb} is not a size: give a non-negative number of GiB")
         capacity = int(cache_gb * GiB)
         name, cache = make_replay_cache(cache_policy, capacity, lambda: access_keys(tb, ids))
-    cost = replay_routing(tb, ids, cache=cache)
+    host_cache, host_name, host_capacity = None, None, 0
+    if host_cache_gb is not None:
+        if cache is not None and name == "belady":
+            raise MoeOffloadError("belady at two cache levels is not modelled: give --cache-gb or --host-cache-gb "
+                                  "alone with belady, or an online policy for both")
+        host_capacity = int(host_cache_gb * GiB)
+        host_name, host_cache = make_replay_cache(cache_policy, host_capacity,
+                                                  lambda: access_keys(tb, ids, disk_only=True))
+    cost = replay_routing(tb, ids, cache=cache, host_cache=host_cache)
     n = cost.tokens
     return ReplayResult(
         tokens=n, link_bytes_per_token=(cost.host_bytes + cost.disk_bytes) / n,
         host_link_bytes_per_token=cost.host_bytes / n, disk_read_bytes_per_token=cost.disk_bytes / n,
         expert_reads=cost.expert_reads, cache_hits=cost.cache_hits, cache_misses=cost.expert_reads,
-        policy=policy or plan.policy, cache_policy=name, offloaded_bytes=plan.offloaded_bytes, cache_bytes=capacity)
+        policy=policy or plan.policy, cache_policy=name, offloaded_bytes=plan.offloaded_bytes, cache_bytes=capacity,
+        host_cache_policy=host_name, host_cache_bytes=host_capacity,
+        host_cache_hits=host_cache.hits if host_cache is not None else 0,
+        host_cache_misses=host_cache.misses if host_cache is not None else 0)
 

@@ -172,6 +172,35 @@ class HostCache:
                                row.reshape(-1).view(torch.uint8).view(-1, self.page_bytes))
 
 
+def carve(capacity: int, budget: dict, planned: bool) -> tuple[dict, str | None]:
+    """The budget options with the host cache taken out of the host budget, and the plan note that says so.
+
+    With host_memory_gb it comes out of that (the plan's host tier is that much smaller, so more lies on disk); on
+    a CPU-only machine planned with device_memory_gb alone (RAM is the device), out of reserve_gb, the room kept
+    beside the weights; a plan given ready-made (`planned`) or a budget without either is left as it is, and the
+    note says the cache is memory on top of it. BudgetError where the cache does not fit."""
+    if not capacity:
+        return budget, None
+    from ..planning.planner import DEFAULT_RESERVE_GB
+
+    size = format_bytes(capacity)
+    if not planned and budget.get("host_memory_gb") is not None:
+        key, what = "host_memory_gb", "host memory"
+    elif not planned and budget.get("cpu_only") and budget.get("device_memory_gb") is not None:
+        key, what = "reserve_gb", "reserve"
+    else:
+        key = None
+    if key is not None:
+        have = budget[key] if budget.get(key) is not None else DEFAULT_RESERVE_GB
+        left = have - capacity / (1 << 30)
+        if left < 0:
+            raise BudgetError(f"--host-cache-gb {capacity / (1 << 30):g} does not fit in the {have:g} GiB of "
+                              f"{what} it is taken out of: give a smaller host cache or more {what}")
+        return {**budget, key: left}, (f"the host cache of disk-tier experts ({size}) is taken out of the {have:g} "
+                                       f"GiB of {what}: {left:.4g} GiB remain for the plan")
+    return budget, f"the host cache of disk-tier experts ({size}) is host memory on top of the plan's"
+
+
 def host_cache_stats(cache: HostCache | None) -> dict:
     """The host cache's counts for reports; without one: no policy, all zeros."""
     if cache is None:
