@@ -52,13 +52,14 @@ TRAIN_THREADS ?= 2
 model: setup
 	$(BIN)/python benchmarks/train_tiny.py --threads $(TRAIN_THREADS)
 
-bench: setup model
+bench: setup model engines
 	$(BIN)/python benchmarks/plan_scale.py
 	$(BIN)/python benchmarks/policy_compare.py
 	$(BIN)/python benchmarks/routing_bench.py
 	$(BIN)/python benchmarks/quant_bench.py
 	$(BIN)/python benchmarks/cache_bench.py
 	$(BIN)/python benchmarks/disk_bench.py
+	$(BIN)/python benchmarks/step_bench.py
 
 # The real peer engines, outside the repository and cached by version (MOE_OFFLOAD_ENGINES_DIR, default
 # ~/.cache/moe-offload/engines): llama.cpp built from the sources in the registry's llama-cpp-python source

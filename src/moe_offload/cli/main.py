@@ -87,6 +87,9 @@ def _runtime_options(p: argparse.ArgumentParser) -> None:
                    help="host-memory cache of X GiB for disk-tier routed experts (a hit reads RAM, not the disk), "
                         "under --cache-policy, carved out of --host-memory (CPU-only: out of --reserve-gb) "
                         "(default: none)")
+    p.add_argument("--lookahead", type=int, default=0, metavar="N",
+                   help="while layer l runs, read the disk-tier experts layer l+N is predicted to pick (its router "
+                        "on layer l's output), on a worker thread; tokens unchanged (default 0: off)")
     p.add_argument("--experts", choices=["eager", "grouped"], default="eager",
                    help="eager: the experts class's own loop (default: the model's arithmetic, as transformers); "
                         "grouped: a decode step's selected experts computed together, one fused gather-GEMV kernel "

@@ -39,7 +39,7 @@ def load_for_cli(args, **extra):
     model, plan = load(folder, device=args.device, backend=args.backend,
                        progress=not getattr(args, "json", False) and sys.stderr.isatty(), **placement,
                        cache_gb=args.cache_gb, cache_policy=args.cache_policy, experts=args.experts,
-                       host_cache_gb=args.host_cache_gb, **extra)
+                       host_cache_gb=args.host_cache_gb, lookahead=args.lookahead, **extra)
     return model, plan, tokenizer
 
 
@@ -50,6 +50,7 @@ def cmd_generate(args) -> int:
 
     from ..run.device_cache import cache_stats
     from ..run.host_cache import host_cache_stats
+    from ..run.lookahead import lookahead_stats
     from ..planning.placement import format_bytes
 
     if args.max_new_tokens < 1:
@@ -106,6 +107,8 @@ def cmd_generate(args) -> int:
         "compile_s": compile_s,   # the first compiled step's time beyond a warm one (None uncompiled)
         **cache_stats(runtime.cache),   # cache_policy, cache_bytes, cache_hits, cache_misses, ...: decode steps
         **host_cache_stats(runtime.host_cache),   # host_cache_policy, host_cache_bytes, host_cache_hits, ...
+        # lookahead (N), lookahead_hits, lookahead_misses, lookahead_wasted_bytes_per_token, lookahead_recall
+        **lookahead_stats(runtime.lookahead, max(len(runtime.counter.calls) - 1, 0)),
     }
     if args.json:
         print(json.dumps(result))
@@ -168,7 +171,7 @@ def cmd_bench(args) -> int:
                      same_prompt=args.same_prompt, link_gbps=args.link_gbps, threads=args.threads,
                      cache_gb=args.cache_gb, cache_policy=args.cache_policy, stats=routing_stats(args.stats),
                      plan=plan, progress=sys.stderr.isatty(), experts=args.experts, compile=args.compile,
-                     host_cache_gb=args.host_cache_gb)
+                     host_cache_gb=args.host_cache_gb, lookahead=args.lookahead)
     to_stdout = args.json == "-"
     print_table(rows, Console(stderr=True) if to_stdout else None)  # stdout holds only the JSON with --json -
     # Both outputs or neither: the plot (the one that can fail on content) first, then the JSON.

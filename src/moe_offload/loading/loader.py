@@ -63,7 +63,7 @@ def _parameters_on_meta():
 def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str | Path | None = None,
          dtype: str | None = None, progress: bool = False, cache_gb: float | None = None,
          cache_policy: str | None = None, experts: str | None = None, host_cache_gb: float | None = None,
-         **budget):
+         lookahead: int = 0, **budget):
     """Build, load and attach a runtime. Returns (model, plan).
 
     `budget`: offload_gb, device_memory_gb, reserve_gb, policy, offload_params, batch (as `moe_offload.plan`).
@@ -72,11 +72,14 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     `cache_policy` (cache_policy.py; default its DEFAULT_CACHE_POLICY); 0 or None is no cache.
     `host_cache_gb`: a host-memory cache of that many GiB for disk-tier routed experts (host_cache.py), under the
     same `cache_policy`, carved out of host_memory_gb (or, CPU-only, out of reserve_gb).
+    `lookahead`: N > 0 reads the disk-tier experts layer l + N is predicted to pick while layer l runs
+    (run/lookahead.py); 0 is off.
     `experts`: how selected experts are computed, "eager" (the class's loop, default) or "grouped" (run/grouped.py).
     """
     from ..run.auditor import audit
     from ..run.grouped import ExpertsMode, check_kernels, experts_mode
     from ..run.host_cache import HostCache, carve
+    from ..run.lookahead import Lookahead
     from ..errors import AuditError
     from ..run.runtime import BACKENDS, Runtime
 
@@ -100,6 +103,8 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
         host_cache_bytes = 0
         cache_bytes, cache_policy = cache_options(cache_gb, cache_policy)
     budget, host_note = carve(host_cache_bytes, budget, planned=plan is not None)
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+        raise MoeOffloadError(f"lookahead={lookahead!r}: give a whole number of layers ahead, 0 for off")
 
     source = "the plan"
     if isinstance(plan, (str, Path)):
@@ -161,7 +166,8 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
                           host_tensors=host_tensors, plan=plan, splits=splits,
                           cache=DeviceCache(cache_policy, cache_bytes) if cache_bytes else None, quant=quant,
                           disk=disk, experts=experts,
-                          host_cache=HostCache(cache_policy, host_cache_bytes) if host_cache_bytes else None)
+                          host_cache=HostCache(cache_policy, host_cache_bytes) if host_cache_bytes else None,
+                          lookahead=Lookahead(lookahead) if lookahead and disk is not None else None)
         runtime.attach()
         model.moe_offload_runtime = runtime
         mismatches = audit(model, plan)

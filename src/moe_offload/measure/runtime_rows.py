@@ -44,6 +44,9 @@ def measure(model, enc, runs: int, max_new_tokens: int, device: torch.device, de
             host_cache = model.moe_offload_runtime.host_cache
             if host_cache is not None:
                 host_cache.reset()
+            lookahead = model.moe_offload_runtime.lookahead
+            if lookahead is not None:
+                lookahead.reset()
             rt, calls = model.moe_offload_runtime, []
             record = i > 0 and needs_routing(rt.plan)
             if record:   # the routing of the measured runs, for bf16_link_bytes_per_token
@@ -63,6 +66,8 @@ def measure(model, enc, runs: int, max_new_tokens: int, device: torch.device, de
                 run.cache_hits, run.cache_misses = cache.policy.hits, cache.policy.misses
             if host_cache is not None:
                 run.host_cache_hits, run.host_cache_misses = host_cache.policy.hits, host_cache.policy.misses
+            if lookahead is not None:
+                run.lookahead = lookahead.stats(len(run.itl_s) * enc["input_ids"].shape[0])
             if i > 0:
                 measured.append(run)
             advance()
@@ -98,6 +103,21 @@ def link_bytes_from_routing(plan, runs: Sequence[Run], c: int, *, bf16: bool = F
     return total / (steps * c)
 
 
+def _lookahead_fields(runs: list[Run], rt) -> dict:
+    """lookahead, lookahead_hits / misses (summed over the measured runs), wasted bytes per token (their mean)."""
+    from ..run.lookahead import lookahead_stats
+
+    if rt.lookahead is None:
+        return lookahead_stats(None, 0)
+    per_run = [r.lookahead for r in runs if r.lookahead]
+    return {"lookahead": rt.lookahead.distance,
+            "lookahead_hits": sum(s["lookahead_hits"] for s in per_run),
+            "lookahead_misses": sum(s["lookahead_misses"] for s in per_run),
+            "lookahead_wasted_bytes_per_token": sum(s["lookahead_wasted_bytes_per_token"] for s in per_run) /
+            max(len(per_run), 1),
+            "lookahead_recall": per_run[-1]["lookahead_recall"] if per_run else {}}
+
+
 def make_row(arm: Arm, c: int, runs: list[Run], model, plan, *, prompts: list[str], same_prompt: bool,
               max_new_tokens: int, link_gbps: float | None, model_name: str, budget_label: str) -> dict:
     rt = model.moe_offload_runtime
@@ -128,6 +148,7 @@ def make_row(arm: Arm, c: int, runs: list[Run], model, plan, *, prompts: list[st
         "host_cache_bytes": 0 if rt.host_cache is None else rt.host_cache.capacity_bytes,
         "host_cache_hits": sum(r.host_cache_hits for r in runs),
         "host_cache_misses": sum(r.host_cache_misses for r in runs),
+        **_lookahead_fields(runs, rt),
         "host_bytes": rt.host_bytes,
         "device_bytes": int(device_bytes),
         "same_prompt": same_prompt,

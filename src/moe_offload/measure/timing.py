@@ -42,6 +42,7 @@ class Run:
     cache_misses: int = 0
     host_cache_hits: int = 0        # the host cache of disk-tier experts, likewise
     host_cache_misses: int = 0
+    lookahead: dict = field(default_factory=dict)   # run/lookahead.Lookahead.stats of the run, {} without one
     # run/state.RoutedCall of each decode step, recorded only where a bf16 comparison needs it
     # (runtime_rows.needs_routing)
     decode_routing: list = field(default_factory=list)

@@ -144,14 +144,14 @@ class DiskTier:
 
     # --- experts --------------------------------------------------------------------------
     def stage_experts(self, rt: RunState, src: DiskTensor, selected: torch.Tensor, split: "ExpertSplit | None",
-                      *, key: str, cached=None) -> torch.Tensor:
+                      *, key: str, cached=None, layer: int | None = None) -> torch.Tensor:
         """The `selected` experts (ascending ids) of `src`, in that order, in a reused device buffer [U, ...]:
         those on disk read from the checkpoint (or, `cached` = (host_cache.HostCache, its Decision for this layer
-        step, this tensor's index), from host memory where the host cache holds them), a split tensor's resident
-        ones by a device-local gather."""
+        step, this tensor's index), from host memory where the host cache holds them; or taken from the rows the
+        runtime's look-ahead read for `layer`), a split tensor's resident ones by a device-local gather."""
         out = rt.buffer(("rows", key, src.shape[1:], src.dtype), (selected.numel(), *src.shape[1:]), src.dtype)
         if split is None:
-            self._fetch(rt, src, selected.tolist(), out, key, cached)
+            self._fetch(rt, src, selected.tolist(), out, key, cached, layer)
         else:
             mask = split.on_host[selected]                      # on disk, for a disk-tier split
             rows = split.row[selected]
@@ -161,19 +161,27 @@ class DiskTier:
             if ids:
                 tmp = rt.buffer(("disk-rows", key, src.shape[1:], src.dtype), (len(ids), *src.shape[1:]),
                                 src.dtype)
-                self._fetch(rt, src, ids, tmp, key, cached)
+                self._fetch(rt, src, ids, tmp, key, cached, layer)
                 out.index_copy_(0, there, tmp)
         return out
 
-    def _fetch(self, rt: RunState, src: DiskTensor, ids: list[int], dest: torch.Tensor, key: str, cached) -> None:
+    def _fetch(self, rt: RunState, src: DiskTensor, ids: list[int], dest: torch.Tensor, key: str, cached,
+               layer: int | None) -> None:
         """dest[j] = expert ids[j]'s row: from the host cache where it holds it (host-link bytes), else from the
-        checkpoint (disk bytes), an admitted one then copied into its pages."""
-        if cached is None:
+        checkpoint (disk bytes: read ahead by the look-ahead, or now), an admitted one then copied into its pages."""
+        hit = cached[1].hit if cached is not None else {}
+        la = rt.lookahead if rt.decode_step and layer is not None else None
+        ahead = {}
+        if la is not None:
+            for e in ids:
+                row = None if hit.get(e, False) else la.take(layer, key, e)
+                if row is not None:
+                    ahead[e] = row
+        if cached is None and not ahead:
             self._read_rows(src, ids, dest, key)
             rt.disk_counter.add(src.row_bytes * len(ids))
             return
-        cache, decision, t = cached
-        miss = [e for e in ids if not decision.hit.get(e, False)]
+        miss = [e for e in ids if not hit.get(e, False) and e not in ahead]
         rows = dest if dest.device.type == "cpu" else torch.empty(tuple(dest.shape), dtype=dest.dtype)
         got = None
         if miss:
@@ -181,17 +189,21 @@ class DiskTier:
             src.read_rows(miss, got, self._pool)
         m = 0
         for j, e in enumerate(ids):
-            if decision.hit.get(e, False):
-                cache.read(decision, t, e, rows[j])
+            if hit.get(e, False):
+                cached[0].read(cached[1], cached[2], e, rows[j])
                 continue
-            rows[j].copy_(got[m])
-            if e in decision.pages:          # admitted by the policy: into the pages it claimed
-                cache.store(decision, t, e, got[m])
-            m += 1
+            if e in ahead:
+                row = ahead[e]
+            else:
+                row, m = got[m], m + 1
+            rows[j].copy_(row)
+            if cached is not None and e in cached[1].pages:   # admitted by the policy: into the pages it claimed
+                cached[0].store(cached[1], cached[2], e, row)
         if rows is not dest:
             dest.copy_(rows)
-        rt.disk_counter.add(src.row_bytes * len(miss))
-        rt.counter.add(src.row_bytes * (len(ids) - len(miss)))
+        hits = sum(1 for e in ids if hit.get(e, False))
+        rt.disk_counter.add(src.row_bytes * (len(ids) - hits))   # read from the checkpoint, now or ahead
+        rt.counter.add(src.row_bytes * hits)
 
     def _cpu_rows(self, key: str, src: DiskTensor, count: int) -> torch.Tensor:
         """A reused host buffer for `count` rows of `src` read from disk before they go to the host cache."""

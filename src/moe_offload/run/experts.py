@@ -120,6 +120,16 @@ class ExpertsState:
         view = _StagedExperts(module, staged, count)
         return rt.compute(module, staged, hidden_states, local, top_k_weights, view=view, decode=rt.step_tokens == 1)
 
+    def _disk_needed(self, ids: list[int], decision) -> list[int]:
+        """The selected experts read from the disk tier in this layer step (on disk in some tensor, not served by
+        the host cache)."""
+        on_disk = set()
+        for name in self.disk:
+            split = self.split.get(name)
+            on_disk |= set(split.host_ids) if split is not None else set(ids)
+        hit = decision.hit if decision is not None else {}
+        return [e for e in ids if e in on_disk and not hit.get(e, False)]
+
     @torch.compiler.disable
     def gather(self, module, top_k_index, cached: bool):
         """The U selected experts gathered into reused buffers, each from the tier that holds it, and the routing
@@ -138,7 +148,9 @@ class ExpertsState:
         for name, src in self.disk.items():                     # read from the checkpoint (disk_tier.py)
             t = hc.tensor_index(self.layer, name) if decision is not None else None
             staged[name] = rt.disk.stage_experts(rt, src, selected, self.split.get(name), key=name,
-                                                 cached=None if t is None else (hc, decision, t))
+                                                 cached=None if t is None else (hc, decision, t), layer=self.layer)
+        if self.disk and rt.lookahead is not None and rt.decode_step:   # what the look-ahead's guesses saved
+            rt.lookahead.end_layer(self.layer, self._disk_needed(selected.tolist(), decision))
         for name, t in self.offloaded.items():
             if name in staged:                                  # gathered through the device cache
                 continue

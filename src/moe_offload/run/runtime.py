@@ -54,7 +54,7 @@ class Runtime(RunState):
                  host_tensors: dict[str, torch.Tensor] | None = None, plan=None,
                  splits: dict[str, ExpertSplit] | None = None, recorder: Recorder | None = None,
                  cache: "DeviceCache | None" = None, quant: dict | None = None, disk=None, experts="eager",
-                 host_cache=None):
+                 host_cache=None, lookahead=None):
         from ..errors import DeviceError
 
         if backend not in BACKENDS:
@@ -64,7 +64,7 @@ class Runtime(RunState):
         self.quant = dict(quant or {})
         super().__init__(device=device, backend=backend, recorder=recorder, cache=cache, disk=disk,
                          dequantizer=Dequantizer(device, self.quant) if self.quant else None, experts=experts,
-                         host_cache=host_cache)
+                         host_cache=host_cache, lookahead=lookahead)
         self.model = model
         self.arena = arena
         self.host_names = dict(host_names)  # in-memory name -> tier ("host"/"disk"), tracked by name
@@ -163,6 +163,8 @@ class Runtime(RunState):
             self.cache.attach(states, self.device)
         if self.host_cache is not None:
             self.host_cache.attach(states)
+        if self.lookahead is not None and self.disk is not None:
+            self.lookahead.attach(self.model, states, self.handles, self)
         if experts_modules:
             self.model.set_experts_implementation(EXPERTS_IMPL)
         self.handles.append(self.model.register_forward_pre_hook(self._top_pre, with_kwargs=True))
@@ -215,8 +217,8 @@ class Runtime(RunState):
         self.cache_step = self.cache is not None and (self._decode if self._decode is not None else self.step_tokens == 1)
         if self.cache_step:
             self.cache.policy.begin_step()   # where a step starts, as replay marks it per decoded token
-        self.host_cache_step = self.host_cache is not None and (
-            self._decode if self._decode is not None else self.step_tokens == 1)
+        self.decode_step = self._decode if self._decode is not None else self.step_tokens == 1
+        self.host_cache_step = self.host_cache is not None and self.decode_step
         if self.host_cache_step:
             self.host_cache.policy.begin_step()
 

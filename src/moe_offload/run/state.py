@@ -79,7 +79,7 @@ class RunState:
     """One loaded model's reading state: device and backend, counters, staging buffers, hook handles, routing."""
 
     def __init__(self, *, device: torch.device, backend: str, recorder: Recorder | None = None, cache=None,
-                 disk=None, dequantizer=None, experts=ExpertsMode.EAGER, host_cache=None):
+                 disk=None, dequantizer=None, experts=ExpertsMode.EAGER, host_cache=None, lookahead=None):
         self.device = device
         self.backend = backend
         self.compute = ExpertsCompute(experts)
@@ -97,6 +97,9 @@ class RunState:
         # The host-memory cache of disk-tier experts (host_cache.HostCache), or None; decode steps only too.
         self.host_cache = host_cache
         self.host_cache_step = False
+        # run/lookahead.Lookahead (predicted disk-tier experts read N layers ahead), or None; decode steps only.
+        self.lookahead = lookahead
+        self.decode_step = False  # the call under way is a decode step (one new token per sequence, cache not empty)
         self.step_tokens = 1      # new tokens per sequence of the call under way (1: a decode step)
         # quant_weights.Dequantizer of the tensors held quantized, or None: they become the compute dtype on the
         # device right before use.

@@ -1,0 +1,185 @@
+"""Look-ahead: while layer l computes, read the experts layer l + N is predicted to pick, before its router asks.
+
+`load(lookahead=N)` gives the runtime a `Lookahead`. After decoder layer l has run in a decode step, a
+*predictor* guesses the experts of layer l + N from l's output hidden state, and the disk-tier experts among
+them that the host cache does not hold are read from the checkpoint on a worker thread. When layer l + N
+routes, a predicted expert is taken from those rows (the read is already done or in flight); an unpredicted
+one is read then, as without look-ahead. What is computed never changes, only when the bytes are read: the
+tokens are bit-identical, and the host cache sees the very same accesses (its policy, hits and misses are
+those without look-ahead; replay's figures hold).
+
+`RouterPredictor`, the default and the one that needs no training (Mixtral-offloading's): layer l + N's own
+router applied to layer l's output after layer l + N's post-attention norm (the router's input is that norm of
+a residual stream one layer later). Any object with `predict(layer, hidden) -> ascending expert ids | None`
+can replace it.
+
+Accounting (decode steps, per layer with disk-tier experts): `hits` picked experts that had been predicted and
+read ahead, `misses` picked disk experts read on the critical path, `wasted_bytes` predicted rows read and then
+not picked. Needed bytes are counted where they were read (disk) at use, as without look-ahead.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from ..model.inventory import layer_of, layer_prefix
+
+
+class RouterPredictor:
+    """Layer t's experts predicted by layer t's router on an earlier layer's output hidden state."""
+
+    def __init__(self, model: nn.Module):
+        self._layers: dict[int, tuple[nn.Module, nn.Module]] = {}   # layer -> (post-attention norm, router)
+        for name, mod in model.named_modules():
+            if layer_prefix(name) != name:   # decoder layers only
+                continue
+            layer = layer_of(name)
+            mlp = getattr(mod, "mlp", None)
+            norm = getattr(mod, "post_attention_layernorm", None)
+            router = getattr(mlp, "gate", None) or getattr(mlp, "router", None)
+            if isinstance(norm, nn.Module) and isinstance(router, nn.Module) and _readable(norm, router):
+                self._layers[layer] = (norm, router)
+
+    def covers(self, layer: int) -> bool:
+        return layer in self._layers
+
+    @torch.no_grad()
+    def predict(self, layer: int, hidden: torch.Tensor) -> list[int] | None:
+        if layer not in self._layers:
+            return None
+        norm, router = self._layers[layer]
+        out = router(norm(hidden).reshape(-1, hidden.shape[-1]))
+        ids = next((t for t in (out if isinstance(out, tuple) else (out,))[::-1]
+                    if isinstance(t, torch.Tensor) and not t.is_floating_point()), None)
+        return None if ids is None else torch.unique(ids).tolist()
+
+
+def _readable(*mods: nn.Module) -> bool:
+    # A router or norm whose weights are on the disk tier is a meta placeholder until its layer's hook reads it.
+    return all(p.device.type != "meta" for m in mods for p in m.parameters())
+
+
+@dataclass
+class _Ahead:
+    """Rows read ahead for one layer: expert -> local tensor name -> row, and the read under way."""
+
+    ids: list[int]
+    rows: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    done: Future | None = None
+    used: set = field(default_factory=set)
+
+
+class Lookahead:
+    """Reads predicted disk-tier experts N layers ahead on one worker thread; counts what the guesses saved."""
+
+    def __init__(self, distance: int, predictor=None):
+        self.distance = distance
+        self.predictor = predictor
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-offload-lookahead")
+        self._ahead: dict[int, _Ahead] = {}
+        self._disk_layers: dict[int, object] = {}   # layer -> experts.ExpertsState with disk tensors
+        self.hits = 0
+        self.misses = 0
+        self.wasted_bytes = 0
+        self.predicted = 0
+        self.per_layer: dict[int, list[int]] = {}    # layer -> [hits, misses]
+
+    def attach(self, model: nn.Module, states, handles: list, rt) -> None:
+        """A forward hook on every decoder layer whose layer + N has disk-tier experts (handles kept)."""
+        if self.predictor is None:
+            self.predictor = RouterPredictor(model)
+        self._disk_layers = {s.layer: s for s in states.values() if s.layer is not None and s.disk}
+        for name, mod in model.named_modules():
+            if layer_prefix(name) != name:
+                continue
+            target = layer_of(name) + self.distance
+            if target in self._disk_layers and self.predictor.covers(target):
+                handles.append(mod.register_forward_hook(self._hook(rt, target)))
+
+    def _hook(self, rt, target: int):
+        def post(module, args, output):
+            if not rt.decode_step:
+                return
+            hidden = output[0] if isinstance(output, tuple) else output
+            ids = self.predictor.predict(target, hidden)
+            if ids:
+                self._start(rt, target, ids)
+        return post
+
+    def _start(self, rt, layer: int, ids: list[int]) -> None:
+        state = self._disk_layers[layer]
+        hc = rt.host_cache if rt.host_cache_step else None
+        held = hc.contents() if hc is not None else set()
+        want = [e for e in ids if (layer, e) not in held]
+        ahead = _Ahead(want)
+        self.predicted += len(want)
+        jobs = []
+        for name, src in state.disk.items():
+            split = state.split.get(name)
+            on_disk = set(split.host_ids) if split is not None else None
+            rows = [e for e in want if on_disk is None or e in on_disk]
+            if rows:
+                buf = torch.empty((len(rows), *src.shape[1:]), dtype=src.dtype)
+                for j, e in enumerate(rows):
+                    ahead.rows.setdefault(e, {})[name] = buf[j]
+                jobs.append((src, rows, buf))
+        if jobs:
+            ahead.done = self._pool.submit(_read_all, jobs)
+            self._ahead[layer] = ahead
+
+    def take(self, layer: int, name: str, expert: int) -> torch.Tensor | None:
+        """The row of `expert` in tensor `name` read ahead for this layer step, or None (read it now)."""
+        ahead = self._ahead.get(layer)
+        if ahead is None or expert not in ahead.rows or name not in ahead.rows[expert]:
+            return None
+        if ahead.done is not None:
+            ahead.done.result()      # a read's CheckpointError is raised here, where the row is needed
+            ahead.done = None
+        ahead.used.add(expert)
+        return ahead.rows[expert][name]
+
+    def end_layer(self, layer: int, needed: list[int]) -> None:
+        """After layer step `layer` read its disk experts `needed` (not in the host cache): count and drop."""
+        ahead = self._ahead.pop(layer, None)
+        counts = self.per_layer.setdefault(layer, [0, 0])
+        used = ahead.used if ahead is not None else set()
+        hit = sum(1 for e in needed if e in used)
+        counts[0] += hit
+        counts[1] += len(needed) - hit
+        self.hits += hit
+        self.misses += len(needed) - hit
+        if ahead is not None:
+            if ahead.done is not None:
+                ahead.done.result()
+            self.wasted_bytes += sum(r.numel() * r.element_size() for e, rows in ahead.rows.items()
+                                     if e not in used for r in rows.values())
+
+    def reset(self) -> None:
+        self._ahead.clear()
+        self.hits = self.misses = self.wasted_bytes = self.predicted = 0
+        self.per_layer.clear()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def stats(self, decode_tokens: int) -> dict:
+        recall = {str(layer): h / (h + m) if h + m else None for layer, (h, m) in sorted(self.per_layer.items())}
+        return {"lookahead": self.distance, "lookahead_hits": self.hits, "lookahead_misses": self.misses,
+                "lookahead_wasted_bytes_per_token": self.wasted_bytes / decode_tokens if decode_tokens else 0.0,
+                "lookahead_recall": recall}
+
+
+def _read_all(jobs) -> None:
+    for src, rows, buf in jobs:
+        src.read_rows(rows, buf)
+
+
+def lookahead_stats(la: Lookahead | None, decode_tokens: int) -> dict:
+    if la is None:
+        return {"lookahead": 0, "lookahead_hits": 0, "lookahead_misses": 0, "lookahead_wasted_bytes_per_token": 0.0,
+                "lookahead_recall": {}}
+    return la.stats(decode_tokens)
