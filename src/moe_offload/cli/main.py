@@ -90,6 +90,9 @@ def _runtime_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookahead", type=int, default=0, metavar="N",
                    help="while layer l runs, read the disk-tier experts layer l+N is predicted to pick (its router "
                         "on layer l's output), on a worker thread; tokens unchanged (default 0: off)")
+    p.add_argument("--disk-read", choices=["direct", "mmap"], default="direct",
+                   help="how the disk tier reads the checkpoint: direct (default: O_DIRECT, the page cache "
+                        "bypassed, our caches decide) or mmap (a memory map: the page cache decides, as llama.cpp)")
     p.add_argument("--experts", choices=["eager", "grouped"], default="eager",
                    help="eager: the experts class's own loop (default: the model's arithmetic, as transformers); "
                         "grouped: a decode step's selected experts computed together, one fused gather-GEMV kernel "

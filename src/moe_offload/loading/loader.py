@@ -63,7 +63,7 @@ def _parameters_on_meta():
 def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str | Path | None = None,
          dtype: str | None = None, progress: bool = False, cache_gb: float | None = None,
          cache_policy: str | None = None, experts: str | None = None, host_cache_gb: float | None = None,
-         lookahead: int = 0, **budget):
+         lookahead: int = 0, disk_read: str = "direct", **budget):
     """Build, load and attach a runtime. Returns (model, plan).
 
     `budget`: offload_gb, device_memory_gb, reserve_gb, policy, offload_params, batch (as `moe_offload.plan`).
@@ -74,12 +74,15 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     same `cache_policy`, carved out of host_memory_gb (or, CPU-only, out of reserve_gb).
     `lookahead`: N > 0 reads the disk-tier experts layer l + N is predicted to pick while layer l runs
     (run/lookahead.py); 0 is off.
+    `disk_read`: how the disk tier reads the checkpoint: "direct" (O_DIRECT, no page cache) or "mmap" (through a
+    memory map, the page cache deciding what stays: llama.cpp's way, storage/mapped.py).
     `experts`: how selected experts are computed, "eager" (the class's loop, default) or "grouped" (run/grouped.py).
     """
     from ..run.auditor import audit
     from ..run.grouped import ExpertsMode, check_kernels, experts_mode
     from ..run.host_cache import HostCache, carve
     from ..run.lookahead import Lookahead
+    from ..storage.mapped import MODES
     from ..errors import AuditError
     from ..run.runtime import BACKENDS, Runtime
 
@@ -103,6 +106,8 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
         host_cache_bytes = 0
         cache_bytes, cache_policy = cache_options(cache_gb, cache_policy)
     budget, host_note = carve(host_cache_bytes, budget, planned=plan is not None)
+    if disk_read not in MODES:
+        raise MoeOffloadError(f"disk_read={disk_read!r}: use {' or '.join(MODES)}")
     if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
         raise MoeOffloadError(f"lookahead={lookahead!r}: give a whole number of layers ahead, 0 for off")
 
@@ -146,7 +151,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     disk = None
     try:
         # Disk-tier tensors are not read here: the runtime reads them from these files (disk_tier.py).
-        disk = DiskTier.build(folder, plan, slots, dev, quant, inv.tied)
+        disk = DiskTier.build(folder, plan, slots, dev, quant, inv.tied, disk_read=disk_read)
         targets, splits = allocate(model, plan, dev, arena, quant)
         stream_checkpoint(folder, model, targets, splits, by_name, progress, spec, slots, quant,
                           disk=set(disk.tensors) if disk is not None else set())

@@ -105,7 +105,8 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str | None = None,
               same_prompt: bool = False, link_gbps: float | None = None, threads: int | None = None,
               cache_gb: float | None = None, cache_policy: str | None = None, stats=None,
               plan: Plan | None = None, progress: bool = False, experts: str | None = None,
-              compile: bool = False, host_cache_gb: float | None = None, lookahead: int = 0, log: Callable[[str], None] | None = None) -> list[dict]:
+              compile: bool = False, host_cache_gb: float | None = None, lookahead: int = 0,
+              disk_read: str = "direct", log: Callable[[str], None] | None = None) -> list[dict]:
     """Measure every arm at every concurrency level; one row per (arm, concurrency), in that order.
 
     Skipped arms (resident when the model does not fit) are reported through `log`
@@ -228,7 +229,7 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str | None = None,
                 tracked, first_row = reset_peak_rss(), len(rows)   # peak RSS over this arm's load and runs
                 model, applied = load(folder, device=dev, backend=backend, dtype=dtype, cache_gb=cache_gb,
                                       cache_policy=cache_policy, experts=experts, host_cache_gb=host_cache_gb,
-                                      lookahead=lookahead,
+                                      lookahead=lookahead, disk_read=disk_read,
                                       **arm.load_kwargs(budget, stats, plan))
                 try:
                     for c in levels:

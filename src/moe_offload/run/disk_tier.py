@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from ..storage.disk import SafetensorsReader, checkpoint_readers
+from ..storage.mapped import MappedReader
 from ..storage.disk_tensor import DiskTensor
 from ..storage.disk_prefetch import DensePrefetcher
 from ..errors import CheckpointError, MoeOffloadError
@@ -66,7 +67,9 @@ class DiskTier:
 
     @classmethod
     def build(cls, folder: Path, plan: "Plan", slots: dict[str, Slot], device: torch.device,
-              quant: dict | None = None, tied=()) -> "DiskTier | None":
+              quant: dict | None = None, tied=(), disk_read: str = "direct") -> "DiskTier | None":
+        """`disk_read`: "direct" (O_DIRECT where the filesystem allows it, else buffered reads that release their
+        pages) or "mmap" (storage/mapped.py: the page cache decides what stays)."""
         from ..planning.placement import Tier
 
         on_disk = {t.name: t for t in plan.tensors if t.tier == Tier.DISK}
@@ -90,7 +93,7 @@ class DiskTier:
                                   f"{list(t.disk_expert_ids)[:8]}, off the device: {list(t.host_ids)[:8]}); one "
                                   "tensor split across three tiers is not loadable yet: plan with --host-memory "
                                   "that holds whole tensors, or put all of its offloaded experts on one tier")
-        by_key, readers = checkpoint_readers(folder)
+        by_key, readers = checkpoint_readers(folder, reader=MappedReader if disk_read == "mmap" else None)
         try:
             pieces: dict[str, list] = {name: [] for name in on_disk}
             for key, slot in slots.items():

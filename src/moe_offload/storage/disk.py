@@ -338,10 +338,11 @@ class SafetensorsReader:
             pass
 
 
-def checkpoint_readers(folder: str | os.PathLike, *, direct: bool | None = None, bounce_bytes: int = DEFAULT_BOUNCE
-                       ) -> tuple[dict[str, SafetensorsReader], list[SafetensorsReader]]:
+def checkpoint_readers(folder: str | os.PathLike, *, direct: bool | None = None, bounce_bytes: int = DEFAULT_BOUNCE,
+                       reader: type | None = None) -> tuple[dict[str, SafetensorsReader], list[SafetensorsReader]]:
     """(checkpoint key -> its file's reader, the readers) for a model folder: one reader per safetensors
-    file, opened once. The caller closes the readers."""
+    file, opened once (`reader`: another SafetensorsReader class, e.g. mapped.MappedReader). The caller closes
+    the readers."""
     folder = Path(folder)
     files = sorted(folder.glob("*.safetensors"))
     index = folder / "model.safetensors.index.json"
@@ -356,7 +357,7 @@ def checkpoint_readers(folder: str | os.PathLike, *, direct: bool | None = None,
     readers: list[SafetensorsReader] = []
     try:
         for path in files:
-            readers.append(SafetensorsReader(path, direct=direct, bounce_bytes=bounce_bytes))
+            readers.append((reader or SafetensorsReader)(path, direct=direct, bounce_bytes=bounce_bytes))
     except BaseException:
         for r in readers:
             r.close()
