@@ -1,9 +1,10 @@
 """Look-ahead: while layer l computes, read the experts layer l + N is predicted to pick, before its router asks.
 
 `load(lookahead=N)` gives the runtime a `Lookahead`. After decoder layer l has run in a decode step, a
-*predictor* guesses the experts of layer l + N from l's output hidden state, and the disk-tier experts among
-them that the host cache does not hold are read from the checkpoint on a worker thread. When layer l + N
-routes, a predicted expert is taken from those rows (the read is already done or in flight); an unpredicted
+*predictor* guesses the experts of each of the next N layers (l + 1 .. l + N) not yet predicted in this step,
+from l's output hidden state, and the disk-tier experts among them that the host cache does not hold are read
+from the checkpoint on a worker thread (N = 1: each layer predicted from the one before it; a larger N starts
+earlier, from a state further away). When a predicted layer routes, a predicted expert is taken from those rows (the read is already done or in flight); an unpredicted
 one is read then, as without look-ahead. What is computed never changes, only when the bytes are read: the
 tokens are bit-identical, and the host cache sees the very same accesses (its policy, hits and misses are
 those without look-ahead; replay's figures hold).
@@ -89,25 +90,30 @@ class Lookahead:
         self.per_layer: dict[int, list[int]] = {}    # layer -> [hits, misses]
 
     def attach(self, model: nn.Module, states, handles: list, rt) -> None:
-        """A forward hook on every decoder layer whose layer + N has disk-tier experts (handles kept)."""
+        """A forward hook on every decoder layer one of whose next N layers has disk-tier experts (handles kept)."""
         if self.predictor is None:
             self.predictor = RouterPredictor(model)
         self._disk_layers = {s.layer: s for s in states.values() if s.layer is not None and s.disk}
         for name, mod in model.named_modules():
             if layer_prefix(name) != name:
                 continue
-            target = layer_of(name) + self.distance
-            if target in self._disk_layers and self.predictor.covers(target):
-                handles.append(mod.register_forward_hook(self._hook(rt, target)))
+            layer = layer_of(name)
+            targets = [t for t in range(layer + 1, layer + self.distance + 1)
+                       if t in self._disk_layers and self.predictor.covers(t)]
+            if targets:
+                handles.append(mod.register_forward_hook(self._hook(rt, targets)))
 
-    def _hook(self, rt, target: int):
+    def _hook(self, rt, targets: list[int]):
         def post(module, args, output):
             if not rt.decode_step:
                 return
             hidden = output[0] if isinstance(output, tuple) else output
-            ids = self.predictor.predict(target, hidden)
-            if ids:
-                self._start(rt, target, ids)
+            for target in targets:
+                if target in self._ahead:     # predicted already in this step, from an earlier layer
+                    continue
+                ids = self.predictor.predict(target, hidden)
+                if ids:
+                    self._start(rt, target, ids)
         return post
 
     def _start(self, rt, layer: int, ids: list[int]) -> None:
@@ -157,6 +163,13 @@ class Lookahead:
                 ahead.done.result()
             self.wasted_bytes += sum(r.numel() * r.element_size() for e, rows in ahead.rows.items()
                                      if e not in used for r in rows.values())
+
+    def begin_step(self) -> None:
+        """A forward call starts: reads left from a call that raised are waited for and dropped."""
+        for ahead in self._ahead.values():
+            if ahead.done is not None:
+                ahead.done.exception()
+        self._ahead.clear()
 
     def reset(self) -> None:
         self._ahead.clear()

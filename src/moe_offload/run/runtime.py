@@ -221,6 +221,8 @@ class Runtime(RunState):
         self.host_cache_step = self.host_cache is not None and self.decode_step
         if self.host_cache_step:
             self.host_cache.policy.begin_step()
+        if self.lookahead is not None:
+            self.lookahead.begin_step()
 
     @torch.compiler.disable
     def _top_post(self, module, args, kwargs, output):
