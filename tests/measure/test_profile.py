@@ -116,10 +116,10 @@ def test_nothing_is_written_on_error(models, tmp_path, monkeypatch):
 
     rows = prof._rows
 
-    def failing(seq, calls, header):
+    def failing(seq, calls, header, predictions=None):
         if seq == 1:
             raise mo.MoeOffloadError("second prompt fails")
-        return rows(seq, calls, header)
+        return rows(seq, calls, header, predictions)
 
     monkeypatch.setattr(prof, "_rows", failing)
     out = tmp_path / "t.jsonl"

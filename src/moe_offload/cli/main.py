@@ -197,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: the accelerator when there is one, else cpu)")
     pr.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="the dtype weights are held in "
                     "(default: the checkpoint's)")
+    pr.add_argument("--predict", action="store_true",
+                    help="decode rows also carry `predicted`: per layer, the experts the look-ahead predictor (the "
+                         "layer's router on the previous layer's output) names, for replay to count")
     pr.add_argument("--json", action="store_true", help="print the per-layer skew summary as one JSON document")
     pr.set_defaults(func=cmd_profile)
 

@@ -67,11 +67,11 @@ def cmd_replay(args) -> int:
                                       "use --policy frequency --stats TRACE")
             policy, stats = "frequency", expert_counts(trace)
         cpu_only = cpu_only_device(args.device)
-        if args.host_cache_gb:   # carved out of the host budget, as load carves it: the plan the runtime gets
-            from ..run.host_cache import carve
+        if args.host_cache_gb is not None:   # carved out of the host budget as load carves it: the runtime's plan
+            from ..run.host_cache import carve, host_cache_bytes
 
-            budget = {k: v for k, v in carve(int(args.host_cache_gb * (1 << 30)), {**budget, "cpu_only": cpu_only},
-                                             planned=False)[0].items() if k != "cpu_only"}
+            carved = carve(host_cache_bytes(args.host_cache_gb), {**budget, "cpu_only": cpu_only}, planned=False)[0]
+            budget = {k: v for k, v in carved.items() if k != "cpu_only"}
         plan = planner.plan(inv, policy=policy, offload_params=args.offload_params, stats=stats,
                             cpu_only=cpu_only, **budget)
     result = replay(plan, trace, cache_gb=args.cache_gb, cache_policy=args.cache_policy,
@@ -89,6 +89,10 @@ def cmd_replay(args) -> int:
     print(f"link bytes per decoded token: {format_bytes(result.link_bytes_per_token)} "
           f"({result.expert_reads} expert reads over the link; the plan expected "
           f"{format_bytes(plan.link_bytes_per_token(1))} per token)")
+    if result.lookahead_hits is not None:
+        print(f"look-ahead (the trace's predictions): {result.lookahead_hits} disk reads predicted, "
+              f"{result.lookahead_misses} not; {format_bytes(result.lookahead_wasted_bytes_per_token)} per token "
+              "read in vain")
     if plan.disk_bytes:
         print(f"of which from host memory {format_bytes(result.host_link_bytes_per_token)}, from disk "
               f"{format_bytes(result.disk_read_bytes_per_token)} per token")

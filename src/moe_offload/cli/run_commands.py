@@ -133,6 +133,11 @@ def cmd_generate(args) -> int:
         hc = host_cache_stats(runtime.host_cache)
         print(f"-- host cache {hc['host_cache_policy']} of {format_bytes(hc['host_cache_bytes'])}: "
               f"{hc['host_cache_hits']} hits, {hc['host_cache_misses']} misses over the decode steps", file=sys.stderr)
+    if runtime.lookahead is not None:
+        print(f"-- look-ahead {result['lookahead']}: {result['lookahead_hits']} disk reads of picked experts were "
+              f"started before their router asked, {result['lookahead_misses']} were not; "
+              f"{format_bytes(result['lookahead_wasted_bytes_per_token'])} per token read ahead in vain",
+              file=sys.stderr)
     if runtime.cache is not None:
         print(f"-- device cache {result['cache_policy']} of {format_bytes(result['cache_bytes'])} "
               f"({format_bytes(result['cache_device_bytes'])} carved): {result['cache_hits']} hits, "
@@ -203,7 +208,7 @@ def cmd_profile(args) -> int:
     if not folder.is_dir():
         raise MoeOffloadError(f"{folder} is a file: profile needs the model folder (weights + tokenizer)")
     prompts = read_prompts(args.prompts) if args.prompts else None
-    result = profile(folder, args.out, prompts=prompts, max_new_tokens=args.max_new_tokens,
+    result = profile(folder, args.out, prompts=prompts, max_new_tokens=args.max_new_tokens, predict=args.predict,
                      ignore_eos=args.ignore_eos, device=args.device, dtype=args.dtype)
     if args.json:
         print(json.dumps(result.to_dict()))

@@ -5,6 +5,10 @@ A trace is JSON Lines. Line 1 is the header; every other line is one token of on
     {"format": "moe-offload-trace", "version": 1, "model_type": "mixtral", "num_experts": 8, "top_k": 2,
      "layers": [0, 1], "source": "..."}
     {"seq": 0, "pos": 0, "phase": "prefill", "experts": [[6, 5], [3, 1]]}
+    {"seq": 0, "pos": 3, "phase": "decode", "experts": [[2, 5], [3, 0]], "predicted": [[], [3, 7]]}
+
+`predicted` (optional, additive to version 1): per layer, the experts a look-ahead predictor named before that
+layer routed (`profile --predict`); `replay` counts look-ahead hits, misses and wasted bytes from it.
 
 `profile` writes traces (TraceWriter), `plan --stats` and `replay` read them (read_trace).
 Every rule of the format is checked on reading, and a broken rule is a TraceError that names
@@ -53,9 +57,14 @@ class TraceRow:
     pos: int
     phase: str                              # "prefill" or "decode"
     experts: tuple[tuple[int, ...], ...]    # per header layer: the distinct expert ids picked there
+    # optional, decode rows: per header layer, the experts a look-ahead predictor named before that layer routed
+    predicted: tuple[tuple[int, ...], ...] | None = None
 
     def to_dict(self) -> dict:
-        return {"seq": self.seq, "pos": self.pos, "phase": self.phase, "experts": [list(e) for e in self.experts]}
+        d = {"seq": self.seq, "pos": self.pos, "phase": self.phase, "experts": [list(e) for e in self.experts]}
+        if self.predicted is not None:
+            d["predicted"] = [list(e) for e in self.predicted]
+        return d
 
 
 @dataclass(frozen=True)
@@ -136,7 +145,15 @@ def _row_from(obj, header: TraceHeader, where: str) -> TraceRow:
         if len(set(ids)) != len(ids):
             raise TraceError(f"{where}: layer {layer}: expert ids {ids} repeat; list each picked expert once")
         picks.append(tuple(ids))
-    return TraceRow(seq, pos, phase, tuple(picks))
+    predicted = obj.get("predicted")
+    if predicted is not None:
+        if not isinstance(predicted, list) or len(predicted) != n or not all(
+                isinstance(ids, list) and all(_is_int(x) and 0 <= x < header.num_experts for x in ids)
+                and len(set(ids)) == len(ids) for ids in predicted):
+            raise TraceError(f"{where}: predicted must be one list per header layer ({n}) of distinct expert ids "
+                             f"in 0..{header.num_experts - 1}, as `experts`; got {predicted!r:.80}")
+        predicted = tuple(tuple(ids) for ids in predicted)
+    return TraceRow(seq, pos, phase, tuple(picks), predicted)
 
 
 def read_trace(path) -> Trace:

@@ -80,7 +80,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     """
     from ..run.auditor import audit
     from ..run.grouped import ExpertsMode, check_kernels, experts_mode
-    from ..run.host_cache import HostCache, carve
+    from ..run.host_cache import HostCache, carve, host_cache_bytes
     from ..run.lookahead import Lookahead
     from ..storage.mapped import MODES
     from ..errors import AuditError
@@ -98,14 +98,14 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
         raise DeviceError(f"unknown backend {backend!r}: use uva or prefetch")
     if dtype is not None and dtype not in DTYPE_NAMES:
         raise ConfigError(f"unknown dtype {dtype!r}: use bf16, fp16 or fp32")
+    host_cache = host_cache_bytes(host_cache_gb)
     if host_cache_gb is not None:   # --cache-policy names the policy of both levels
-        host_cache_bytes, host_policy = cache_options(host_cache_gb, cache_policy)
+        _, host_policy = cache_options(0, cache_policy)
         cache_bytes, cache_policy = cache_options(cache_gb, cache_policy if cache_gb is not None else None)
         cache_policy = host_policy if cache_gb is None else cache_policy
     else:
-        host_cache_bytes = 0
         cache_bytes, cache_policy = cache_options(cache_gb, cache_policy)
-    budget, host_note = carve(host_cache_bytes, budget, planned=plan is not None)
+    budget, host_note = carve(host_cache, budget, planned=plan is not None, beside=cache_bytes)
     if disk_read not in MODES:
         raise MoeOffloadError(f"disk_read={disk_read!r}: use {' or '.join(MODES)}")
     if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
@@ -171,7 +171,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
                           host_tensors=host_tensors, plan=plan, splits=splits,
                           cache=DeviceCache(cache_policy, cache_bytes) if cache_bytes else None, quant=quant,
                           disk=disk, experts=experts,
-                          host_cache=HostCache(cache_policy, host_cache_bytes) if host_cache_bytes else None,
+                          host_cache=HostCache(cache_policy, host_cache) if host_cache else None,
                           lookahead=Lookahead(lookahead) if lookahead and disk is not None else None)
         runtime.attach()
         model.moe_offload_runtime = runtime

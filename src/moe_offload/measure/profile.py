@@ -69,9 +69,9 @@ def trace_header(plan: Plan, source: str) -> TraceHeader:
                        source)
 
 
-def _rows(seq: int, calls: Sequence[RoutedCall], header: TraceHeader) -> list[TraceRow]:
+def _rows(seq: int, calls: Sequence[RoutedCall], header: TraceHeader, predictions=None) -> list[TraceRow]:
     rows: list[TraceRow] = []
-    for call in calls:
+    for c, call in enumerate(calls):
         if tuple(call.experts) != header.layers:
             raise MoeOffloadError(f"the experts function saw routed layers {list(call.experts)} in one forward "
                                   f"call, but the model routes layers {list(header.layers)}; this model's experts "
@@ -85,16 +85,23 @@ def _rows(seq: int, calls: Sequence[RoutedCall], header: TraceHeader) -> list[Tr
         for i in range(call.tokens):
             # distinct ids, in the router's order
             experts = tuple(tuple(dict.fromkeys(ids[i])) for ids in lists)
+            predicted = None
+            if predictions is not None and call.decode:   # one token per decode call: the call's predictions
+                predicted = tuple(tuple(predictions[c].get(layer, ())) for layer in header.layers)
             rows.append(TraceRow(seq, len(rows), Phase.DECODE.value if call.decode else Phase.PREFILL.value,
-                                 experts))
+                                 experts, predicted))
     return rows
 
 
 def record(model, tokenizer, prompts: Sequence[str], writer: TraceWriter, *, max_new_tokens: int,
-           ignore_eos: bool = False) -> list[SequenceRecord]:
-    """Decode each prompt greedily on a loaded model (offloaded or not) and write its tokens' routing."""
+           ignore_eos: bool = False, predict: bool = False) -> list[SequenceRecord]:
+    """Decode each prompt greedily on a loaded model (offloaded or not) and write its tokens' routing.
+
+    `predict`: decode rows also carry `predicted`, per layer the experts run/lookahead.RouterPredictor names for it
+    from the layer before (what `--lookahead 1` would read ahead), for replay to count."""
     runtime = model.moe_offload_runtime
     calls: list[RoutedCall] = []
+    predictions, handles = _predicting(model, calls) if predict else (None, [])
     kwargs = dict(max_new_tokens=max_new_tokens + 1, do_sample=False)
     if ignore_eos:
         kwargs["eos_token_id"] = []     # no EOS at all for this call: exactly max_new_tokens decode steps
@@ -111,9 +118,11 @@ def record(model, tokenizer, prompts: Sequence[str], writer: TraceWriter, *, max
             if n == 0:
                 raise MoeOffloadError(f"prompt {seq + 1} encodes to no tokens: give non-empty prompts")
             calls.clear()
+            if predictions is not None:
+                predictions.clear()
             with torch.no_grad():
                 generated = model.generate(**enc, **kwargs)[0, n:]
-            rows = _rows(seq, calls, writer.header)
+            rows = _rows(seq, calls, writer.header, predictions)
             for row in rows:
                 writer.add(row)
             decoded = len(rows) - n
@@ -121,11 +130,37 @@ def record(model, tokenizer, prompts: Sequence[str], writer: TraceWriter, *, max
                                                                         skip_special_tokens=True)))
     finally:
         runtime.recorder = previous
+        for h in handles:
+            h.remove()
     return out
 
 
+def _predicting(model, calls: list) -> tuple[list[dict], list]:
+    """Forward hooks on the decoder layers that note, per forward call, RouterPredictor's guess for each next
+    layer (layer -> ids); returns (per call, its guesses) and the hook handles."""
+    from ..model.inventory import layer_of, layer_prefix
+    from ..run.lookahead import RouterPredictor
+
+    predictor = RouterPredictor(model)
+    per_call: list[dict] = []
+    handles = []
+
+    def hook(target):
+        def post(module, args, output):
+            while len(per_call) <= len(calls):   # this call's dict (calls grows when a call ends)
+                per_call.append({})
+            hidden = output[0] if isinstance(output, tuple) else output
+            per_call[len(calls)][target] = predictor.predict(target, hidden) or []   # used for decode rows only
+        return post
+
+    for name, mod in model.named_modules():
+        if layer_prefix(name) == name and predictor.covers(layer_of(name) + 1):
+            handles.append(mod.register_forward_hook(hook(layer_of(name) + 1)))
+    return per_call, handles
+
+
 def profile(model_dir, out, *, prompts: Sequence[str] | None = None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-            ignore_eos: bool = False, device=None, dtype: str | None = None) -> ProfileResult:
+            ignore_eos: bool = False, device=None, dtype: str | None = None, predict: bool = False) -> ProfileResult:
     """Load MODEL with nothing offloaded, decode the prompts, write the trace to `out` (whole or not at all)."""
     from ..loading.loader import load, load_tokenizer
     from ..prompts import PROMPTS
@@ -147,7 +182,8 @@ def profile(model_dir, out, *, prompts: Sequence[str] | None = None, max_new_tok
               f"greedy, up to {max_new_tokens} decode tokens each{', EOS ignored' if ignore_eos else ''}")
     header = trace_header(plan, source)
     with TraceWriter(out, header) as writer:
-        sequences = record(model, tokenizer, prompts, writer, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+        sequences = record(model, tokenizer, prompts, writer, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
+                           predict=predict)
     trace = read_trace(out)   # the summary is of the file as written, read back through the checking reader
     skew = skew_summary(trace) if trace.decode_rows else []
     return ProfileResult(str(out), header, tuple(sequences), skew)

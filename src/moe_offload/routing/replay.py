@@ -20,7 +20,7 @@ import numpy as np
 from ..planning.accounting import TokenBytes
 from ..errors import MoeOffloadError, TraceError
 from ..planning.placement import GiB, Plan
-from ..formats.traces import Trace, check_trace_matches, routing_array
+from ..formats.traces import Trace, TraceRow, check_trace_matches, routing_array
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,10 @@ class ReplayResult:
     host_cache_bytes: int = 0
     host_cache_hits: int = 0
     host_cache_misses: int = 0
+    # from the trace's `predicted` lists (None without them): look-ahead of disk-tier experts, as run/lookahead.py
+    lookahead_hits: int | None = None
+    lookahead_misses: int | None = None
+    lookahead_wasted_bytes_per_token: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -55,15 +59,37 @@ class RoutingCost:
     disk_bytes: int
     expert_reads: int
     cache_hits: int
+    lookahead: tuple[int, int, int] | None = None   # (hits, misses, wasted bytes) with predictions
 
 
-def replay_routing(tb: TokenBytes, ids: np.ndarray, *, cache=None, host_cache=None) -> RoutingCost:
+def lookahead_counts(tb: TokenBytes, ids: np.ndarray, predicted: np.ndarray, host_cache_held) -> tuple[int, int, int]:
+    """Look-ahead figures of disk-tier reads: a picked expert read from disk (`host_cache_held` says, per token and
+    layer row, which experts the host cache held when that layer began: those are not read) is a hit when it was
+    predicted; a predicted expert on disk, not held, not picked, is read in vain (its disk bytes wasted)."""
+    hits = misses = wasted = 0
+    t, n_layers, _ = ids.shape
+    for i in range(t):
+        for row in range(n_layers):
+            disk = tb.expert_disk[row]
+            held = host_cache_held(i, row)
+            picked = {int(e) for e in ids[i, row] if e >= 0 and disk[e] > 0 and (tb.layers[row], int(e)) not in held}
+            guess = {int(e) for e in predicted[i, row] if e >= 0 and disk[e] > 0
+                     and (tb.layers[row], int(e)) not in held}
+            hits += len(picked & guess)
+            misses += len(picked - guess)
+            wasted += int(sum(disk[e] for e in guess - picked))
+    return hits, misses, wasted
+
+
+def replay_routing(tb: TokenBytes, ids: np.ndarray, *, cache=None, host_cache=None,
+                   predicted: np.ndarray | None = None) -> RoutingCost:
     """Bytes read by the tokens of `ids` ([T, layers, width] expert ids in `tb.layers` order, -1 = none).
 
     cache: an object with access(key, nbytes) -> hit (cache_policy.make_cache), or None.
     host_cache: the same for the host-memory cache of disk-tier experts (run/host_cache.py): an expert with disk
     bytes that the device cache did not hold is looked up there (its disk bytes); a hit reads them from host
     memory (host bytes) instead of the disk.
+    predicted: [T, layers, width] ids a look-ahead predictor named (-1 = none): its hits, misses and wasted bytes.
     """
     t, n_layers, _ = ids.shape
     if n_layers != len(tb.layers):
@@ -72,7 +98,7 @@ def replay_routing(tb: TokenBytes, ids: np.ndarray, *, cache=None, host_cache=No
     host = np.concatenate([tb.expert_host, np.zeros((n_layers, 1), np.int64)], axis=1)
     disk = np.concatenate([tb.expert_disk, np.zeros((n_layers, 1), np.int64)], axis=1)
     host_bytes, disk_bytes = t * tb.dense_host, t * tb.dense_disk
-    if cache is None and host_cache is None:
+    if cache is None and host_cache is None and predicted is None:
         reads = 0
         for i in range(n_layers):
             h, d = host[i][ids[:, i, :]], disk[i][ids[:, i, :]]   # [T, width] bytes of each pick
@@ -82,30 +108,48 @@ def replay_routing(tb: TokenBytes, ids: np.ndarray, *, cache=None, host_cache=No
         return RoutingCost(t, host_bytes, disk_bytes, reads, 0)
 
     tok, lay, experts = _access_order(tb, ids)
-    nbytes = (host + disk)[lay, experts].tolist()
+    # The device cache holds host-tier experts (their host bytes), the host cache disk-tier ones (their disk
+    # bytes), as the runtime's caches do; an expert split over both tiers meets each cache with its part.
+    hbytes = host[lay, experts].tolist()
     dbytes = disk[lay, experts].tolist()
     keys = list(zip(np.asarray(tb.layers, dtype=np.int64)[lay].tolist(), experts.tolist()))
     ends = np.searchsorted(tok, np.arange(1, t + 1)).tolist()   # accesses of token i: [ends[i-1], ends[i])
     hit = np.zeros(len(keys), dtype=bool)       # held by the device cache: nothing read
     in_host = np.zeros(len(keys), dtype=bool)   # its disk bytes held by the host cache: read from host memory
+    held: dict[tuple[int, int], set] = {}       # (token, layer row) -> the host cache's keys when that layer began
+    snapshot = host_cache is not None and predicted is not None
+
+    def note_held(i: int, upto: int) -> None:   # layer rows up to `upto` not noted yet begin with these contents
+        for row in range(upto + 1):
+            held.setdefault((i, row), host_cache.contents())
+
     start = 0
-    for end in ends:   # every token is one decode step, as the runtime marks it (even one reading nothing)
+    for i, end in enumerate(ends):   # every token is one decode step, as the runtime marks it
         if cache is not None:
             cache.begin_step()
         if host_cache is not None:
             host_cache.begin_step()
         for j in range(start, end):
-            if cache is not None:
-                hit[j] = cache.access(keys[j], nbytes[j])
-            if host_cache is not None and not hit[j] and dbytes[j]:
+            if snapshot:
+                note_held(i, int(lay[j]))
+            if cache is not None and hbytes[j]:
+                hit[j] = cache.access(keys[j], hbytes[j])
+            if host_cache is not None and dbytes[j]:
                 in_host[j] = host_cache.access(keys[j], dbytes[j])
+        if snapshot:
+            note_held(i, n_layers - 1)
         start = end
     miss = ~hit
     moved = int(disk[lay[in_host], experts[in_host]].sum())   # disk bytes the host cache served
     host_bytes += int(host[lay[miss], experts[miss]].sum()) + moved
-    disk_bytes += int(disk[lay[miss], experts[miss]].sum()) - moved
-    reads = int(miss.sum()) if cache is not None else int(np.count_nonzero(np.asarray(nbytes)))
-    return RoutingCost(t, host_bytes, disk_bytes, reads, int(hit.sum()))
+    disk_bytes += int(disk[lay, experts].sum()) - moved
+    h, d = np.asarray(hbytes) > 0, np.asarray(dbytes) > 0
+    # fetches over the link or from disk (a host-cache hit still crosses the host link to the device)
+    reads = int(np.count_nonzero((h & miss) | d))
+    ahead = None
+    if predicted is not None:
+        ahead = lookahead_counts(tb, ids, predicted, lambda i, row: held.get((i, row), set()))
+    return RoutingCost(t, host_bytes, disk_bytes, reads, int(hit.sum()), ahead)
 
 
 def _access_order(tb: TokenBytes, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -119,12 +163,11 @@ def _access_order(tb: TokenBytes, ids: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 
 def access_keys(tb: TokenBytes, ids: np.ndarray, *, disk_only: bool = False) -> list[tuple[int, int]]:
-    """The (layer, expert) keys a cache sees for `ids`, in access order (the future an offline policy needs);
-    `disk_only`: those of experts with disk bytes (the host cache's accesses, without a device cache above it)."""
+    """The (layer, expert) keys a cache sees for `ids`, in access order (the future an offline policy needs): the
+    device cache's (experts with host bytes), or with `disk_only` the host cache's (experts with disk bytes)."""
     _, lay, experts = _access_order(tb, ids)
-    if disk_only:
-        keep = tb.expert_disk[lay, experts] > 0
-        lay, experts = lay[keep], experts[keep]
+    keep = (tb.expert_disk if disk_only else tb.expert_host)[lay, experts] > 0
+    lay, experts = lay[keep], experts[keep]
     return list(zip(np.asarray(tb.layers, dtype=np.int64)[lay].tolist(), experts.tolist()))
 
 
@@ -175,14 +218,23 @@ def replay(plan: Plan, trace: Trace, *, cache_gb: float | None = None, cache_pol
         host_capacity = int(host_cache_gb * GiB)
         host_name, host_cache = make_replay_cache(cache_policy, host_capacity,
                                                   lambda: access_keys(tb, ids, disk_only=True))
-    cost = replay_routing(tb, ids, cache=cache, host_cache=host_cache)
+    predicted = None
+    if all(r.predicted is not None for r in rows):
+        pwidth = max(1, max(len(p) for r in rows for p in r.predicted))
+        predicted = routing_array([TraceRow(r.seq, r.pos, r.phase, r.predicted) for r in rows], pwidth,
+                                  len(tb.layers), dtype=dtype)
+    cost = replay_routing(tb, ids, cache=cache, host_cache=host_cache, predicted=predicted)
     n = cost.tokens
     return ReplayResult(
         tokens=n, link_bytes_per_token=(cost.host_bytes + cost.disk_bytes) / n,
         host_link_bytes_per_token=cost.host_bytes / n, disk_read_bytes_per_token=cost.disk_bytes / n,
-        expert_reads=cost.expert_reads, cache_hits=cost.cache_hits, cache_misses=cost.expert_reads,
+        expert_reads=cost.expert_reads, cache_hits=cost.cache_hits,
+        cache_misses=cache.misses if cache is not None else cost.expert_reads,
         policy=policy or plan.policy, cache_policy=name, offloaded_bytes=plan.offloaded_bytes, cache_bytes=capacity,
         host_cache_policy=host_name, host_cache_bytes=host_capacity,
         host_cache_hits=host_cache.hits if host_cache is not None else 0,
-        host_cache_misses=host_cache.misses if host_cache is not None else 0)
+        host_cache_misses=host_cache.misses if host_cache is not None else 0,
+        lookahead_hits=cost.lookahead[0] if cost.lookahead else None,
+        lookahead_misses=cost.lookahead[1] if cost.lookahead else None,
+        lookahead_wasted_bytes_per_token=cost.lookahead[2] / n if cost.lookahead else None)
 

@@ -172,32 +172,48 @@ class HostCache:
                                row.reshape(-1).view(torch.uint8).view(-1, self.page_bytes))
 
 
-def carve(capacity: int, budget: dict, planned: bool) -> tuple[dict, str | None]:
+def host_cache_bytes(host_cache_gb) -> int:
+    """--host-cache-gb as whole bytes, checked (None or 0: no host cache)."""
+    if host_cache_gb is None:
+        return 0
+    if isinstance(host_cache_gb, bool) or not isinstance(host_cache_gb, (int, float)) \
+            or not math.isfinite(host_cache_gb) or host_cache_gb < 0:
+        raise BudgetError(f"--host-cache-gb {host_cache_gb} is not a size: give a non-negative number of GiB "
+                          "(0 or none: no host cache)")
+    return int(host_cache_gb * (1 << 30))
+
+
+def carve(capacity: int, budget: dict, planned: bool, beside: int = 0) -> tuple[dict, str | None]:
     """The budget options with the host cache taken out of the host budget, and the plan note that says so.
 
-    With host_memory_gb it comes out of that (the plan's host tier is that much smaller, so more lies on disk); on
-    a CPU-only machine planned with device_memory_gb alone (RAM is the device), out of reserve_gb, the room kept
-    beside the weights; a plan given ready-made (`planned`) or a budget without either is left as it is, and the
-    note says the cache is memory on top of it. BudgetError where the cache does not fit."""
-    if not capacity:
-        return budget, None
+    With host_memory_gb it comes out of that (the plan's host tier is that much smaller, so more lies on disk). On
+    a CPU-only machine planned with device_memory_gb alone (RAM is the device), it lives in reserve_gb, as the
+    device cache does (`beside`: that cache's bytes, which share the reserve): the weights' room is unchanged. A
+    plan given ready-made (`planned`) or a budget without either is left as it is, and the note says the cache is
+    memory on top of it. BudgetError where the cache does not fit."""
     from ..planning.planner import DEFAULT_RESERVE_GB
 
-    size = format_bytes(capacity)
+    if not capacity:
+        return budget, None
+    size, gib = format_bytes(capacity), capacity / (1 << 30)
     if not planned and budget.get("host_memory_gb") is not None:
-        key, what = "host_memory_gb", "host memory"
-    elif not planned and budget.get("cpu_only") and budget.get("device_memory_gb") is not None:
-        key, what = "reserve_gb", "reserve"
-    else:
-        key = None
-    if key is not None:
-        have = budget[key] if budget.get(key) is not None else DEFAULT_RESERVE_GB
-        left = have - capacity / (1 << 30)
-        if left < 0:
-            raise BudgetError(f"--host-cache-gb {capacity / (1 << 30):g} does not fit in the {have:g} GiB of "
-                              f"{what} it is taken out of: give a smaller host cache or more {what}")
-        return {**budget, key: left}, (f"the host cache of disk-tier experts ({size}) is taken out of the {have:g} "
-                                       f"GiB of {what}: {left:.4g} GiB remain for the plan")
+        have = budget["host_memory_gb"]
+        if gib > have:
+            raise BudgetError(f"--host-cache-gb {gib:g} does not fit in the {have:g} GiB of host memory it is taken "
+                              "out of: give a smaller host cache or more --host-memory")
+        return {**budget, "host_memory_gb": have - gib}, (
+            f"the host cache of disk-tier experts ({size}) is taken out of the {have:g} GiB of host memory: "
+            f"{have - gib:.4g} GiB remain for the plan's host tier")
+    if not planned and budget.get("cpu_only") and budget.get("device_memory_gb") is not None:
+        reserve = budget.get("reserve_gb") if budget.get("reserve_gb") is not None else DEFAULT_RESERVE_GB
+        room = math.floor(reserve * (1 << 30)) - beside
+        if capacity > room:
+            raise BudgetError(f"--host-cache-gb {gib:g} does not fit in the {reserve:g} GiB reserve"
+                              f"{' beside the device cache' if beside else ''} ({size} > {format_bytes(max(room, 0))}):"
+                              " on a CPU-only machine the host cache lives in the reserve kept beside the weights; "
+                              "give a larger --reserve-gb or a smaller host cache")
+        return budget, (f"the host cache of disk-tier experts ({size}) is taken out of the {reserve:g} GiB reserve "
+                        "(RAM beside the weights)")
     return budget, f"the host cache of disk-tier experts ({size}) is host memory on top of the plan's"
 
 

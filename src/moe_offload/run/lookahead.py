@@ -14,6 +14,9 @@ router applied to layer l's output after layer l + N's post-attention norm (the 
 a residual stream one layer later). Any object with `predict(layer, hidden) -> ascending expert ids | None`
 can replace it.
 
+The layers hooked are chosen at attach, by the predictor then in place (`covers`); a predictor set later is asked
+about those layers and returns None for a layer it does not handle.
+
 Accounting (decode steps, per layer with disk-tier experts): `hits` picked experts that had been predicted and
 read ahead, `misses` picked disk experts read on the critical path, `wasted_bytes` predicted rows read and then
 not picked. Needed bytes are counted where they were read (disk) at use, as without look-ahead.

@@ -34,8 +34,10 @@ class MappedReader(SafetensorsReader):
     def _read_buffered(self, offset: int, dests: list[memoryview]) -> None:
         pos = offset
         total = sum(len(d) for d in dests)
-        if offset + total > len(self._map):
-            raise self._short(offset, total, max(0, len(self._map) - offset))
+        # Against the file's size now, not the map's: pages of a map past a file cut short fault (SIGBUS).
+        size = os.fstat(self._fd).st_size
+        if offset + total > min(size, len(self._map)):
+            raise self._short(offset, total, max(0, min(size, len(self._map)) - offset))
         for d in dests:
             d[:] = self._view[pos:pos + len(d)]
             pos += len(d)
