@@ -242,15 +242,15 @@ def test_replay_of_a_hand_trace_with_disk_experts():
     assert (r.tokens, r.expert_reads) == (3, 8)
     assert (r.host_link_bytes_per_token, r.disk_read_bytes_per_token) == (576 / 3, 1008 / 3)
     assert r.link_bytes_per_token == (576 + 1008) / 3
-    # an LRU device cache of 10 experts holds host-tier experts, as the runtime's does (disk-tier ones are the host
-    # cache's, --host-cache-gb): L0e2 misses at token 1 and hits at token 3, L0e3 misses; the disk reads stay.
+    # an LRU cache of 10 experts: a repeat reads nothing from either tier. Hits: L0e1 and L1e0 at token 2,
+    # L0e2 at token 3. Misses: host L0e2 (t1), L0e3 (t3); disk L0e1, L1e0 (t1), L1e1 (t3); rows are not cached.
     c = replay(p, trace, cache_gb=10 * UNIT / GiB, cache_policy="lru")
-    assert (c.cache_hits, c.cache_misses) == (1, 2)
-    assert (c.host_link_bytes_per_token, c.disk_read_bytes_per_token) == (2 * 192 / 3, 1008 / 3)
-    # the disk-tier experts in a host cache below it: L0e1 and L1e0 at token 2 are hits (read from host memory)
-    h = replay(p, trace, cache_gb=10 * UNIT / GiB, host_cache_gb=10 * UNIT / GiB, cache_policy="lru")
+    assert (c.cache_hits, c.cache_misses) == (3, 5)
+    assert (c.host_link_bytes_per_token, c.disk_read_bytes_per_token) == (2 * 192 / 3, (48 + 3 * 192) / 3)
+    # a host cache alone holds the disk-tier experts: L0e1 and L1e0 at token 2 are read from host memory instead
+    h = replay(p, trace, host_cache_gb=10 * UNIT / GiB, cache_policy="lru")
     assert (h.host_cache_hits, h.host_cache_misses) == (2, 3)
-    assert (h.host_link_bytes_per_token, h.disk_read_bytes_per_token) == ((2 * 192 + 2 * 192) / 3, (1008 - 2 * 192) / 3)
+    assert (h.host_link_bytes_per_token, h.disk_read_bytes_per_token) == ((576 + 2 * 192) / 3, (1008 - 2 * 192) / 3)
 
 
 # --- the command line ----------------------------------------------------------------------------------------

@@ -101,29 +101,32 @@ def test_a_host_cache_of_0_is_no_host_cache():
     assert (r.host_cache_hits, r.host_cache_bytes) == (0, 0)
 
 
-def test_the_device_cache_holds_host_tier_experts_only_as_the_runtime_does():
-    """Every expert on disk: the device cache (as the runtime's, run/device_cache.py) holds host-tier experts only,
-    so it sees no access at all and the host cache below it sees all 11, exactly as alone (3 hits, 8 misses)."""
+def test_the_host_cache_sees_only_device_cache_misses():
+    """Both levels, lru, every expert on disk. A device cache of 4 experts holds (0,1) at token 2 (1 hit, nothing
+    read); the host cache of 8 below it sees the 10 other accesses: it holds (0,0) and (1,2) at token 3 (2 hits),
+    the 8 first uses miss. The same host cache alone would see all 11 and hit 3 times."""
     p = on_disk()
+    r = replay(p, TRACE, cache_gb=gb(4 * EXPERT), host_cache_gb=ALL, cache_policy="lru")
+    assert (r.cache_hits, r.cache_misses) == (1, 10)
+    assert (r.host_cache_hits, r.host_cache_misses) == (2, 8)
+    assert totals(r) == (2 * EXPERT, 8 * EXPERT)
+    # a device cache that holds everything leaves the host cache only first uses: all misses
+    r = replay(p, TRACE, cache_gb=ALL, host_cache_gb=ALL, cache_policy="lru")
+    assert (r.cache_hits, r.host_cache_hits, r.host_cache_misses) == (3, 0, 8)
+    assert totals(r) == (0, 8 * EXPERT)
     alone = replay(p, TRACE, host_cache_gb=ALL, cache_policy="lru")
     assert (alone.cache_hits, alone.host_cache_hits, alone.host_cache_misses) == (0, 3, 8)
-    for device in (gb(4 * EXPERT), ALL):
-        r = replay(p, TRACE, cache_gb=device, host_cache_gb=ALL, cache_policy="lru")
-        assert (r.cache_hits, r.cache_misses) == (0, 0)
-        assert (r.host_cache_hits, r.host_cache_misses) == (3, 8)
-        assert totals(r) == totals(alone) == (3 * EXPERT, 8 * EXPERT)
 
 
-def test_each_cache_level_sees_its_own_tier():
-    """Layer 0's experts on the host, layer 1's on disk: the device cache sees layer 0's 6 picks (host bytes), the
-    host cache layer 1's 5 (disk bytes, one hit: (1,2) at token 3); each level's hits take exactly its bytes off."""
+def test_host_tier_experts_never_reach_the_host_cache():
+    """Layer 0's experts on the host, layer 1's on disk: only layer 1's 5 picks are host-cache accesses (one
+    hit: (1,2) at token 3); the device cache sees all 11 (and, too small to hold a key until it comes back,
+    hits none)."""
     p = tiered(lambda t: Tier.HOST if t.layer == 0 else Tier.DISK)
-    r = replay(p, TRACE, cache_gb=ALL, host_cache_gb=ALL, cache_policy="lru")
-    assert r.cache_hits + r.cache_misses == 6 and r.cache_hits > 0
+    r = replay(p, TRACE, cache_gb=gb(2 * EXPERT), host_cache_gb=ALL, cache_policy="lru")
+    assert (r.cache_hits, r.cache_misses) == (0, 11)
     assert (r.host_cache_hits, r.host_cache_misses) == (1, 4)
-    assert totals(r) == ((6 - r.cache_hits) * EXPERT + EXPERT, 4 * EXPERT)
-    none = replay(p, TRACE)
-    assert totals(none) == (6 * EXPERT, 5 * EXPERT)
+    assert totals(r) == (6 * EXPERT + EXPERT, 4 * EXPERT)
 
 
 def test_belady_at_two_levels_is_refused_and_alone_is_the_optimum():

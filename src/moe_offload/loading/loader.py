@@ -135,12 +135,6 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     for n in (note, host_note):
         if n:
             plan = dataclasses.replace(plan, notes=(*plan.notes, n))
-    on_disk = sum(t.offloaded_bytes for t in plan.tensors if t.tier == Tier.DISK and t.role == "routed_expert")
-    if cache_bytes and on_disk:
-        plan = dataclasses.replace(plan, notes=(*plan.notes, (
-            f"the device cache holds host-tier experts only: the {on_disk} bytes of routed experts on the disk tier "
-            "are read from the checkpoint at every use (counted as disk reads)")))
-
     by_name = {t.name: t for t in plan.tensors}
     # Quantized tensors (FP8, MXFP4) are held as stored: values as the parameter, scales as a buffer beside it
     # in the same tier (quant_weights.py). Checked here, before any memory is taken.

@@ -108,9 +108,9 @@ def replay_routing(tb: TokenBytes, ids: np.ndarray, *, cache=None, host_cache=No
         return RoutingCost(t, host_bytes, disk_bytes, reads, 0)
 
     tok, lay, experts = _access_order(tb, ids)
-    # The device cache holds host-tier experts (their host bytes), the host cache disk-tier ones (their disk
-    # bytes), as the runtime's caches do; an expert split over both tiers meets each cache with its part.
-    hbytes = host[lay, experts].tolist()
+    # The device cache holds offloaded experts of both tiers (their host + disk bytes); the host cache below it
+    # sees the device cache's misses that have disk bytes (their disk bytes), as the runtime's caches do.
+    nbytes = (host + disk)[lay, experts].tolist()
     dbytes = disk[lay, experts].tolist()
     keys = list(zip(np.asarray(tb.layers, dtype=np.int64)[lay].tolist(), experts.tolist()))
     ends = np.searchsorted(tok, np.arange(1, t + 1)).tolist()   # accesses of token i: [ends[i-1], ends[i])
@@ -132,9 +132,9 @@ def replay_routing(tb: TokenBytes, ids: np.ndarray, *, cache=None, host_cache=No
         for j in range(start, end):
             if snapshot:
                 note_held(i, int(lay[j]))
-            if cache is not None and hbytes[j]:
-                hit[j] = cache.access(keys[j], hbytes[j])
-            if host_cache is not None and dbytes[j]:
+            if cache is not None:
+                hit[j] = cache.access(keys[j], nbytes[j])
+            if host_cache is not None and not hit[j] and dbytes[j]:
                 in_host[j] = host_cache.access(keys[j], dbytes[j])
         if snapshot:
             note_held(i, n_layers - 1)
@@ -142,10 +142,9 @@ def replay_routing(tb: TokenBytes, ids: np.ndarray, *, cache=None, host_cache=No
     miss = ~hit
     moved = int(disk[lay[in_host], experts[in_host]].sum())   # disk bytes the host cache served
     host_bytes += int(host[lay[miss], experts[miss]].sum()) + moved
-    disk_bytes += int(disk[lay, experts].sum()) - moved
-    h, d = np.asarray(hbytes) > 0, np.asarray(dbytes) > 0
+    disk_bytes += int(disk[lay[miss], experts[miss]].sum()) - moved
     # fetches over the link or from disk (a host-cache hit still crosses the host link to the device)
-    reads = int(np.count_nonzero((h & miss) | d))
+    reads = int(miss.sum())
     ahead = None
     if predicted is not None:
         ahead = lookahead_counts(tb, ids, predicted, lambda i, row: held.get((i, row), set()))
@@ -163,11 +162,12 @@ def _access_order(tb: TokenBytes, ids: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 
 def access_keys(tb: TokenBytes, ids: np.ndarray, *, disk_only: bool = False) -> list[tuple[int, int]]:
-    """The (layer, expert) keys a cache sees for `ids`, in access order (the future an offline policy needs): the
-    device cache's (experts with host bytes), or with `disk_only` the host cache's (experts with disk bytes)."""
+    """The (layer, expert) keys a cache sees for `ids`, in access order (the future an offline policy needs); with
+    `disk_only`, those of experts with disk bytes (the host cache's accesses with no device cache above it)."""
     _, lay, experts = _access_order(tb, ids)
-    keep = (tb.expert_disk if disk_only else tb.expert_host)[lay, experts] > 0
-    lay, experts = lay[keep], experts[keep]
+    if disk_only:
+        keep = tb.expert_disk[lay, experts] > 0
+        lay, experts = lay[keep], experts[keep]
     return list(zip(np.asarray(tb.layers, dtype=np.int64)[lay].tolist(), experts.tolist()))
 
 
@@ -229,7 +229,7 @@ def replay(plan: Plan, trace: Trace, *, cache_gb: float | None = None, cache_pol
         tokens=n, link_bytes_per_token=(cost.host_bytes + cost.disk_bytes) / n,
         host_link_bytes_per_token=cost.host_bytes / n, disk_read_bytes_per_token=cost.disk_bytes / n,
         expert_reads=cost.expert_reads, cache_hits=cost.cache_hits,
-        cache_misses=cache.misses if cache is not None else cost.expert_reads,
+        cache_misses=cost.expert_reads,
         policy=policy or plan.policy, cache_policy=name, offloaded_bytes=plan.offloaded_bytes, cache_bytes=capacity,
         host_cache_policy=host_name, host_cache_bytes=host_capacity,
         host_cache_hits=host_cache.hits if host_cache is not None else 0,

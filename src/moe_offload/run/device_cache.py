@@ -28,6 +28,12 @@ loop's arithmetic is the model's own):
     miss                                              read from the host over the link (the counted bytes);
                                                       when the policy admits it, its row is then copied from
                                                       the staged buffer into its pages (device-local)
+    miss of a disk-tier tensor's expert               read below the cache as without it (disk_tier.py: the host
+                                                      cache, the look-ahead's rows, or the checkpoint, counted
+                                                      there), then admitted the same way
+
+The cache holds offloaded experts of both tiers (host and disk): a policy's nbytes is the expert's bytes over
+every offloaded tensor of its layer, as replay's device level counts them.
 """
 
 from __future__ import annotations
@@ -108,7 +114,8 @@ class _Layer:
 
     layer: int
     module: str                             # its dotted name (for invalidation by tensor name)
-    names: tuple[str, ...]                  # offloaded tensors (local names), in the experts function's order
+    names: tuple[str, ...]                  # offloaded tensors (local names): host tier, then disk tier
+    on_disk: tuple[bool, ...]               # per tensor: a disk-tier tensor (read through disk_tier.py)
     row_bytes: tuple[int, ...]              # per tensor: bytes of one expert's slice
     host_row: tuple[tuple[int | None, ...], ...]      # per tensor, per expert: its row in the host stack or None
     resident_row: tuple[tuple[int | None, ...], ...]  # per tensor, per expert: its row in the resident stack or None
@@ -116,11 +123,13 @@ class _Layer:
 
 
 def _layout(module: str, state: ExpertsState) -> _Layer:
-    names, row_bytes, host_rows, resident_rows = [], [], [], []
+    names, disk, row_bytes, host_rows, resident_rows = [], [], [], [], []
     experts = state.num_experts
-    for name, t in state.offloaded.items():
+    tensors = [(n, t.shape[0], t[0].numel() * t.element_size(), False) for n, t in state.offloaded.items()]
+    tensors += [(n, src.experts, src.row_bytes, True) for n, src in state.disk.items() if src.experts is not None]
+    for name, count, nbytes, is_disk in tensors:
         split = state.split.get(name)
-        host_ids = split.host_ids if split is not None else tuple(range(t.shape[0]))
+        host_ids = split.host_ids if split is not None else tuple(range(count))   # a disk split: its disk ids
         resident_ids = split.resident_ids if split is not None else ()
         host = [None] * experts
         for row, e in enumerate(host_ids):
@@ -129,11 +138,13 @@ def _layout(module: str, state: ExpertsState) -> _Layer:
         for row, e in enumerate(resident_ids):
             resident[e] = row
         names.append(name)
-        row_bytes.append(t[0].numel() * t.element_size())
+        disk.append(is_disk)
+        row_bytes.append(nbytes)
         host_rows.append(tuple(host))
         resident_rows.append(tuple(resident))
     nbytes = tuple(sum(b for b, rows in zip(row_bytes, host_rows) if rows[e] is not None) for e in range(experts))
-    return _Layer(state.layer, module, tuple(names), tuple(row_bytes), tuple(host_rows), tuple(resident_rows), nbytes)
+    return _Layer(state.layer, module, tuple(names), tuple(disk), tuple(row_bytes), tuple(host_rows),
+                  tuple(resident_rows), nbytes)
 
 
 class DeviceCache:
@@ -157,7 +168,7 @@ class DeviceCache:
         self.drop_all()
         layers: dict[int, _Layer] = {}
         for module, state in states.items():
-            if state.layer is None or not state.offloaded:
+            if state.layer is None or not (state.offloaded or state.disk):
                 continue
             if state.layer in layers:
                 raise MoeOffloadError(f"{module} and {layers[state.layer].module} are two experts modules of layer "
@@ -234,6 +245,9 @@ class DeviceCache:
     def contents(self) -> set[Key]:
         return set(self._pages)
 
+    def serves(self, layer: int | None) -> bool:
+        return layer in self._layers
+
     def stats(self) -> dict:
         return {"cache_policy": self.policy_name, "cache_bytes": self.capacity_bytes, "cache_hits": self.policy.hits,
                 "cache_misses": self.policy.misses, "cache_evictions": self.policy.evictions,
@@ -261,9 +275,10 @@ class DeviceCache:
                 self._claim(key, lay, e)
                 admitted[i] = True
         dev, page, layer = rt.device, self.page_bytes, lay.layer
+        disk_rows = self._disk_misses(rt, state, lay, ids, hit) if any(lay.on_disk) else {}
         staged = {}
         for t, name in enumerate(lay.names):
-            host = state.offloaded[name]
+            host = disk_rows[name] if lay.on_disk[t] else state.offloaded[name]
             out = rt.rows_buffer(name, host, len(ids))
             k = lay.row_bytes[t] // page if page else 0   # pages per row
             host_row, resident_row = lay.host_row[t], lay.resident_row[t]
@@ -282,11 +297,13 @@ class DeviceCache:
                     if admitted[i]:
                         admit_rows.extend(range(i * k, i * k + k))
                         admit_pages.extend(self._pages[(layer, e)][t])
-            rt.counter.add(lay.row_bytes[t] * len(link_pos))        # only misses cross the link
             if resident_pos:
                 resident = state.split[name].resident
                 out.index_copy_(0, _index(resident_pos, dev), resident.index_select(0, _index(resident_rows, dev)))
-            if link_pos:
+            if link_pos and lay.on_disk[t]:   # read already (host cache, look-ahead or disk; counted there)
+                out.index_copy_(0, _index(link_pos, dev), host)
+            elif link_pos:
+                rt.counter.add(lay.row_bytes[t] * len(link_pos))    # only misses cross the link
                 where = host.device if host.device == dev else torch.device("cpu")
                 rt.copy_rows(host, _index(link_rows, where), out, positions=_index(link_pos, where))
             if cached_rows or admit_rows:
@@ -299,6 +316,30 @@ class DeviceCache:
                                            out_pages.index_select(0, _index(admit_rows, dev)))
             staged[name] = out
         return staged
+
+
+    def _disk_misses(self, rt: RunState, state: ExpertsState, lay: _Layer, ids: list[int], hit: list[bool]
+                     ) -> dict[str, torch.Tensor]:
+        """The disk-tier tensors' rows of this step's device-cache misses, in ascending id order: local name ->
+        [misses on disk in that tensor, ...]. Read below the device cache as without it: from the host cache where
+        it holds them, else from the checkpoint (or the rows the look-ahead read), counted there."""
+        on_disk = {e for t, d in enumerate(lay.on_disk) if d for e in ids if lay.host_row[t][e] is not None}
+        miss = [e for i, e in enumerate(ids) if not hit[i] and e in on_disk]
+        hc = rt.host_cache if rt.host_cache_step and rt.host_cache.serves(lay.layer) else None
+        decision = hc.decide(lay.layer, miss) if hc is not None else None
+        rows = {}
+        for t, name in enumerate(lay.names):
+            if not lay.on_disk[t]:
+                continue
+            mine = torch.tensor([e for e in miss if lay.host_row[t][e] is not None], dtype=torch.long)
+            ti = hc.tensor_index(lay.layer, name) if decision is not None else None
+            rows[name] = rt.disk.stage_experts(rt, state.disk[name], mine, None, key=f"{name}:cache-miss",
+                                               cached=None if ti is None else (hc, decision, ti), layer=lay.layer,
+                                               lookahead_key=name)
+        if rt.lookahead is not None and rt.decode_step:
+            hits = decision.hit if decision is not None else {}
+            rt.lookahead.end_layer(lay.layer, [e for e in miss if not hits.get(e, False)])
+        return rows
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:

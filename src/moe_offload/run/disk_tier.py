@@ -147,14 +147,16 @@ class DiskTier:
 
     # --- experts --------------------------------------------------------------------------
     def stage_experts(self, rt: RunState, src: DiskTensor, selected: torch.Tensor, split: "ExpertSplit | None",
-                      *, key: str, cached=None, layer: int | None = None) -> torch.Tensor:
+                      *, key: str, cached=None, layer: int | None = None,
+                      lookahead_key: str | None = None) -> torch.Tensor:
         """The `selected` experts (ascending ids) of `src`, in that order, in a reused device buffer [U, ...]:
         those on disk read from the checkpoint (or, `cached` = (host_cache.HostCache, its Decision for this layer
         step, this tensor's index), from host memory where the host cache holds them; or taken from the rows the
         runtime's look-ahead read for `layer`), a split tensor's resident ones by a device-local gather."""
         out = rt.buffer(("rows", key, src.shape[1:], src.dtype), (selected.numel(), *src.shape[1:]), src.dtype)
+        la_key = lookahead_key or key
         if split is None:
-            self._fetch(rt, src, selected.tolist(), out, key, cached, layer)
+            self._fetch(rt, src, selected.tolist(), out, key, cached, layer, la_key)
         else:
             mask = split.on_host[selected]                      # on disk, for a disk-tier split
             rows = split.row[selected]
@@ -164,12 +166,12 @@ class DiskTier:
             if ids:
                 tmp = rt.buffer(("disk-rows", key, src.shape[1:], src.dtype), (len(ids), *src.shape[1:]),
                                 src.dtype)
-                self._fetch(rt, src, ids, tmp, key, cached, layer)
+                self._fetch(rt, src, ids, tmp, key, cached, layer, la_key)
                 out.index_copy_(0, there, tmp)
         return out
 
     def _fetch(self, rt: RunState, src: DiskTensor, ids: list[int], dest: torch.Tensor, key: str, cached,
-               layer: int | None) -> None:
+               layer: int | None, la_key: str) -> None:
         """dest[j] = expert ids[j]'s row: from the host cache where it holds it (host-link bytes), else from the
         checkpoint (disk bytes: read ahead by the look-ahead, or now), an admitted one then copied into its pages."""
         hit = cached[1].hit if cached is not None else {}
@@ -177,7 +179,7 @@ class DiskTier:
         ahead = {}
         if la is not None:
             for e in ids:
-                row = None if hit.get(e, False) else la.take(layer, key, e)
+                row = None if hit.get(e, False) else la.take(layer, la_key, e)
                 if row is not None:
                     ahead[e] = row
         if cached is None and not ahead:

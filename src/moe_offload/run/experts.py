@@ -109,7 +109,7 @@ class ExpertsState:
             return rt.compute(module, {}, hidden_states, top_k_index, top_k_weights, decode=rt.step_tokens == 1)
         # A decode step with a device cache reads each selected expert from its cache pages when it holds it
         # (device_cache.py), so even uva's whole host tensors are then gathered rather than read in place.
-        cached = rt.cache_step and bool(self.offloaded) and self.layer is not None
+        cached = rt.cache_step and bool(self.offloaded or self.disk) and rt.cache.serves(self.layer)
         if rt.backend == "uva" and not self.split and not cached and not self.quant and not self.disk:
             # In place: the kernels index each selected expert of the host view. Counting distinct experts
             # needs their number on the host, so it waits for the end of the forward call.
@@ -141,15 +141,18 @@ class ExpertsState:
         selected = torch.unique(top_k_index)                     # [U], ascending
         local = torch.searchsorted(selected, top_k_index)       # [T, k] in 0..U-1
         on_host: dict[tuple[int, ...], tuple[torch.Tensor, int]] = {}   # host_ids -> (mask [U], count)
+        # Through the device cache, every offloaded expert tensor (host and disk tier: device_cache.py reads the disk
+        # ones' misses below it); else disk-tier experts from the host cache (host_cache.py) or the checkpoint.
         staged = rt.cache.gather(rt, self, selected) if cached else {}
-        # Disk-tier experts: from the host cache where it holds them (host_cache.py), else from the checkpoint.
-        hc = rt.host_cache if rt.host_cache_step and self.disk else None
+        hc = rt.host_cache if rt.host_cache_step and self.disk and not cached else None
         decision = hc.decide(self.layer, selected.tolist()) if hc is not None and hc.serves(self.layer) else None
         for name, src in self.disk.items():                     # read from the checkpoint (disk_tier.py)
+            if name in staged:                                  # through the device cache
+                continue
             t = hc.tensor_index(self.layer, name) if decision is not None else None
             staged[name] = rt.disk.stage_experts(rt, src, selected, self.split.get(name), key=name,
                                                  cached=None if t is None else (hc, decision, t), layer=self.layer)
-        if self.disk and rt.lookahead is not None and rt.decode_step:   # what the look-ahead's guesses saved
+        if self.disk and rt.lookahead is not None and rt.decode_step and not cached:   # what the guesses saved
             rt.lookahead.end_layer(self.layer, self._disk_needed(selected.tolist(), decision))
         for name, t in self.offloaded.items():
             if name in staged:                                  # gathered through the device cache
