@@ -168,8 +168,8 @@ def test_runtime_equals_replay_with_a_device_cache_above_the_host_cache(folder, 
                disk=rt.disk_counter.decode_bytes_per_token(), host_link=rt.counter.decode_bytes_per_token())
     want = dict(cache=(r.cache_hits, r.cache_misses), host_cache=(r.host_cache_hits, r.host_cache_misses),
                 disk=r.disk_read_bytes_per_token, host_link=r.host_link_bytes_per_token)
-    assert got == want, (f"runtime {got} != replay {want}: the runtime's device cache holds host-tier experts only "
-                         "(loader note), replay's caches disk-tier experts too and hands the host cache its misses")
+    assert got == want, f"runtime {got} != replay {want}"
+    assert device.hits > 0 and host.hits + host.misses > 0   # both levels took part
 
 
 # --- the carve out of the host budget ------------------------------------------------------------------------
