@@ -119,7 +119,7 @@ class HostCache:
         for key in list(self._pages):
             self.policy.invalidate(key)
             for pages in self._pages.pop(key):
-                self._free.extend(pages)
+                self._free.extend(reversed(pages))
 
     def reset(self) -> None:
         """Empty, with a fresh policy (no history, counts at 0): as just after load."""
@@ -147,7 +147,7 @@ class HostCache:
             hit[e] = self.policy.access(key, nbytes)
             for victim in self.policy.last_evicted:
                 for victim_pages in self._pages.pop(victim):
-                    self._free.extend(victim_pages)
+                    self._free.extend(reversed(victim_pages))
             if not hit[e] and key in self.policy:       # admitted: claim its pages now
                 self._pages[key] = tuple([self._free.pop() for _ in range(b // self.page_bytes if d[e] else 0)]
                                          for b, d in zip(lay.row_bytes, lay.on_disk))
@@ -161,15 +161,26 @@ class HostCache:
 
     def read(self, decision: Decision, t: int, expert: int, out_row: torch.Tensor) -> None:
         """out_row (one expert's row of tensor t, contiguous, on the cpu) <- its cached pages."""
-        pages = decision.pages[expert][t]
-        out_row.view(-1).view(torch.uint8).view(-1, self.page_bytes).copy_(
-            self.arena.index_select(0, torch.tensor(pages, dtype=torch.long)))
+        row = out_row.view(-1).view(torch.uint8).view(-1, self.page_bytes)
+        for at, first, n in _runs(decision.pages[expert][t]):
+            row[at:at + n].copy_(self.arena[first:first + n])
 
     def store(self, decision: Decision, t: int, expert: int, row: torch.Tensor) -> None:
         """The admitted expert's row of tensor t (contiguous, on the cpu) -> its pages."""
-        pages = decision.pages[expert][t]
-        self.arena.index_copy_(0, torch.tensor(pages, dtype=torch.long),
-                               row.reshape(-1).view(torch.uint8).view(-1, self.page_bytes))
+        src = row.reshape(-1).view(torch.uint8).view(-1, self.page_bytes)
+        for at, first, n in _runs(decision.pages[expert][t]):
+            self.arena[first:first + n].copy_(src[at:at + n])
+
+
+def _runs(pages: list[int]) -> list[tuple[int, int, int]]:
+    """(position in the row, first page, count) of each run of consecutive page ids: one memcpy per run (a byte
+    tensor's index_select / index_copy_ over pages is many times slower than a copy on the cpu)."""
+    runs, start = [], 0
+    for i in range(1, len(pages) + 1):
+        if i == len(pages) or pages[i] != pages[i - 1] + 1:
+            runs.append((start, pages[start], i - start))
+            start = i
+    return runs
 
 
 def host_cache_bytes(host_cache_gb) -> int:
