@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import signal
 import statistics
 import time
 import traceback
 from pathlib import Path
 
 from gpu_check_harness import GIB, MIB, Checks, Guard, StepTimeout
-from gpu_check_load import _link_vs_replay, _release, _sync
+from gpu_check_load import _link_vs_replay, _sync, release_uninterrupted
 
 MARGIN = 1e-3          # logits margin below which a differing token is a tie, not a failure
 MODELS = {"qwen3": "qwen3_moe", "gpt_oss": "gpt_oss"}
@@ -191,12 +190,7 @@ def run_load(case: dict, folder: Path, enc, args, dev, checks: Checks, tmp: Path
             audit = moe_offload.audit(model, plan)
             checks.check(f"{label}: audit empty after the runs", not audit, f"first {audit[:2]}" if audit else "")
         finally:
-            # As gpu_check_load.run_case: a step timeout must not cut the release of pinned slabs short.
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
-            try:
-                _release(model)
-            finally:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
+            release_uninterrupted(model)   # as gpu_check_load.run_case
     if case["experts"] == "grouped":   # the grouped kernels and the compiled step are what dynamo compiles
         checks.check(f"{label}: dynamo never hit its recompile limit (no frame fell back to eager)",
                      not fallbacks.hits, f"{len(fallbacks.hits)} hits, first: {fallbacks.hits[0]}" if fallbacks.hits

@@ -44,6 +44,16 @@ def _tok_s(model, ids, n: int, runs: int, dev) -> tuple[float, list[float]]:
     return n / statistics.median(times), times
 
 
+def release_uninterrupted(model) -> None:
+    """_release with SIGALRM held back until it is done: a step timeout must not cut the unregistering of pinned
+    slabs short (a freed-but-registered range makes a later cudaHostRegister of reused addresses fail)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    try:
+        _release(model)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
+
+
 def _release(model) -> None:
     """Detach the runtime, unregister its pinned slabs and close its disk tier; the memory goes when the
     model is collected."""
@@ -224,12 +234,6 @@ def run_case(case: dict, folder: Path, ids, args, dev, checks: Checks, slack: in
         if rt.cache is not None:
             out["cache_after_bench"] = rt.cache.stats()
     finally:
-        # Unregister before the slabs can be freed: a freed-but-registered range makes a later
-        # cudaHostRegister of reused addresses fail (cudaErrorHostMemoryAlreadyRegistered). A step timeout
-        # must not cut this short: SIGALRM waits (blocked) until the release is done.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
-        try:
-            _release(model)
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
+        # Unregister before the slabs can be freed (cudaErrorHostMemoryAlreadyRegistered otherwise).
+        release_uninterrupted(model)
     return out

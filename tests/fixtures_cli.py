@@ -36,6 +36,15 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
     return rc, out, err
 
 
+def cli_json(capsys, *argv) -> dict:
+    """Run the CLI, which must succeed, and return the one JSON document it printed."""
+    import json
+
+    rc, out, err = run_cli(capsys, *argv)
+    assert rc == 0, err
+    return json.loads(out)
+
+
 def unwritable_dir(tmp_path: Path) -> Path:
     """A directory nothing can be created in: a read-only folder, or /sys for root (whom mode bits do not stop)."""
     if os.geteuid() == 0:

@@ -18,7 +18,7 @@ import json
 import pytest
 
 import moe_offload as mo
-from fixtures_cli import run_cli
+from fixtures_cli import cli_json, run_cli
 from fixtures_models import SIZES
 from moe_offload.planning.placement import GiB, Tier
 from moe_offload.tiny.make import make_tiny
@@ -45,14 +45,8 @@ def budget(model_dir) -> list[str]:
     return options
 
 
-def _json(capsys, *argv):
-    rc, out, err = run_cli(capsys, *argv)
-    assert rc == 0, err
-    return json.loads(out)
-
-
 def _generate(capsys, model_dir, budget, *extra) -> dict:
-    return _json(capsys, "generate", model_dir, "--prompt", PROMPT, "--max-new-tokens", NEW, "--ignore-eos",
+    return cli_json(capsys, "generate", model_dir, "--prompt", PROMPT, "--max-new-tokens", NEW, "--ignore-eos",
                  *budget, *extra, "--json")
 
 
@@ -83,7 +77,7 @@ def test_replay_of_the_profiled_trace_gives_generates_bytes(capsys, model_dir, b
     rc, _, err = run_cli(capsys, "profile", model_dir, "--out", trace, "--prompts", prompts, "--max-new-tokens",
                          NEW - 1, "--ignore-eos", "--device", "cpu")
     assert rc == 0, err
-    doc = _json(capsys, "replay", model_dir, "--trace", trace, *budget, *cache, "--json")
+    doc = cli_json(capsys, "replay", model_dir, "--trace", trace, *budget, *cache, "--json")
     assert doc["tokens"] == NEW - 1
     assert (doc["host_cache_policy"], doc["host_cache_bytes"]) == (ran["host_cache_policy"], CACHE)
     assert doc["disk_read_bytes_per_token"] == ran["disk_read_bytes_per_token"]
@@ -95,7 +89,7 @@ def test_replay_of_the_profiled_trace_gives_generates_bytes(capsys, model_dir, b
 def test_bench_rows_carry_the_host_cache(capsys, model_dir, budget):
     from moe_offload.routing.cache_policy import DEFAULT_CACHE_POLICY
 
-    rows = _json(capsys, "bench", model_dir, *budget, "--host-cache-gb", repr(CACHE / GiB), "--arms", "sparse-first",
+    rows = cli_json(capsys, "bench", model_dir, *budget, "--host-cache-gb", repr(CACHE / GiB), "--arms", "sparse-first",
                  "--runs", 1, "--max-new-tokens", 4, "--concurrency", 1, "--json", "-")
     (row,) = rows
     assert row["arm"] == "sparse-first"

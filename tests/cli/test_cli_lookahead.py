@@ -17,7 +17,7 @@ import json
 import pytest
 
 import moe_offload as mo
-from fixtures_cli import run_cli
+from fixtures_cli import cli_json, run_cli
 from moe_offload.planning.placement import GiB, Tier
 from moe_offload.tiny.make import make_tiny
 
@@ -41,14 +41,8 @@ def budget(model_dir) -> list[str]:
     return ["--device", "cpu", "--device-memory", repr(total // 3 / GiB), "--reserve-gb", "0"]
 
 
-def _json(capsys, *argv):
-    rc, out, err = run_cli(capsys, *argv)
-    assert rc == 0, err
-    return json.loads(out)
-
-
 def _generate(capsys, model_dir, budget, *extra) -> dict:
-    return _json(capsys, "generate", model_dir, "--prompt", PROMPT, "--max-new-tokens", NEW, "--ignore-eos",
+    return cli_json(capsys, "generate", model_dir, "--prompt", PROMPT, "--max-new-tokens", NEW, "--ignore-eos",
                  *budget, *extra, "--json")
 
 
@@ -80,7 +74,7 @@ def test_disk_read_mmap_gives_the_same_tokens_and_bytes(capsys, model_dir, budge
 
 
 def test_bench_rows_carry_the_lookahead(capsys, model_dir, budget):
-    rows = _json(capsys, "bench", model_dir, *budget, "--lookahead", 1, "--arms", "sparse-first", "--runs", 1,
+    rows = cli_json(capsys, "bench", model_dir, *budget, "--lookahead", 1, "--arms", "sparse-first", "--runs", 1,
                  "--max-new-tokens", 4, "--concurrency", 1, "--json", "-")
     (row,) = rows
     assert row["arm"] == "sparse-first" and all(f in row for f in FIELDS), sorted(row)
