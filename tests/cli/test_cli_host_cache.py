@@ -13,7 +13,6 @@ token and its hits and misses; bench rows carry the host cache's counts; a size 
 
 from __future__ import annotations
 
-import json
 
 import pytest
 

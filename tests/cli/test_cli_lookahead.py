@@ -12,7 +12,6 @@ carry the look-ahead fields; a negative distance exits 2 with one `error:` line.
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
