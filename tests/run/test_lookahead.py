@@ -274,5 +274,7 @@ def test_a_lookahead_read_of_a_truncated_checkpoint_is_raised_where_the_row_is_n
         with pytest.raises(CheckpointError, match="changed after it was opened|truncated") as err:
             model(input_ids=out.logits[:, -1:].argmax(-1), cache=out.past_key_values, use_cache=True)
     frames = {(Path(str(e.path)).name, e.name) for e in err.traceback}
-    assert ("lookahead.py", "take") in frames or ("lookahead.py", "end_layer") in frames, frames
+    # where the row is needed (take), or, for a wrong guess still being read when the file was cut, where a
+    # forward call settles its reads (settle): raised by a forward either way, never swallowed
+    assert {("lookahead.py", "take"), ("lookahead.py", "settle")} & frames, frames
     assert ("lookahead.py", "_read_all") in frames, frames          # the worker's read raised it

@@ -11,8 +11,13 @@ those without look-ahead; replay's figures hold).
 
 `RouterPredictor`, the default and the one that needs no training (Mixtral-offloading's): layer l + N's own
 router applied to layer l's output after layer l + N's post-attention norm (the router's input is that norm of
-a residual stream one layer later). Any object with `predict(layer, hidden) -> ascending expert ids | None`
-can replace it.
+a residual stream one layer later). Any object with `covers(layer) -> bool` and `predict(layer, hidden) ->
+expert ids, most likely first | None` can replace it.
+
+Each predicted expert is one read job on the worker thread, in the predictor's order: a layer that routes waits
+only for the jobs of the experts it picked (`take`), never for a wrong guess's; wrong guesses are read all the
+same (deterministic counts: every predicted disk expert the host cache lacks is read once), in the background,
+and waited for when the forward call ends.
 
 The layers hooked are chosen at attach, by the predictor then in place (`covers`); a predictor set later is asked
 about those layers and returns None for a layer it does not handle.
@@ -59,7 +64,8 @@ class RouterPredictor:
         out = router(norm(hidden).reshape(-1, hidden.shape[-1]))
         ids = next((t for t in (out if isinstance(out, tuple) else (out,))[::-1]
                     if isinstance(t, torch.Tensor) and not t.is_floating_point()), None)
-        return None if ids is None else torch.unique(ids).tolist()
+        # the router's top-k order, most likely first (a look-ahead reads them in this order), each id once
+        return None if ids is None else list(dict.fromkeys(ids.reshape(-1).tolist()))
 
 
 def _readable(*mods: nn.Module) -> bool:
@@ -69,11 +75,11 @@ def _readable(*mods: nn.Module) -> bool:
 
 @dataclass
 class _Ahead:
-    """Rows read ahead for one layer: expert -> local tensor name -> row, and the read under way."""
+    """Rows read ahead for one layer: expert -> local tensor name -> row, and each expert's read job."""
 
     ids: list[int]
     rows: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    done: Future | None = None
+    jobs: dict[int, Future] = field(default_factory=dict)
     used: set = field(default_factory=set)
 
 
@@ -85,6 +91,7 @@ class Lookahead:
         self.predictor = predictor
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-offload-lookahead")
         self._ahead: dict[int, _Ahead] = {}
+        self._outstanding: list[Future] = []         # wrong guesses' reads, finishing in the background
         self._disk_layers: dict[int, object] = {}   # layer -> experts.ExpertsState with disk tensors
         self.hits = 0
         self.misses = 0
@@ -126,7 +133,7 @@ class Lookahead:
         want = [e for e in ids if (layer, e) not in held]
         ahead = _Ahead(want)
         self.predicted += len(want)
-        jobs = []
+        reads: dict[int, list] = {}
         for name, src in state.disk.items():
             split = state.split.get(name)
             on_disk = set(split.host_ids) if split is not None else None
@@ -135,9 +142,11 @@ class Lookahead:
                 buf = torch.empty((len(rows), *src.shape[1:]), dtype=src.dtype)
                 for j, e in enumerate(rows):
                     ahead.rows.setdefault(e, {})[name] = buf[j]
-                jobs.append((src, rows, buf))
-        if jobs:
-            ahead.done = self._pool.submit(_read_all, jobs)
+                    reads.setdefault(e, []).append((src, e, buf[j:j + 1]))
+        for e in want:                 # the predictor's order: the likeliest expert is read first
+            if e in reads:
+                ahead.jobs[e] = self._pool.submit(_read_all, reads[e])
+        if ahead.jobs:
             self._ahead[layer] = ahead
 
     def take(self, layer: int, name: str, expert: int) -> torch.Tensor | None:
@@ -145,9 +154,7 @@ class Lookahead:
         ahead = self._ahead.get(layer)
         if ahead is None or expert not in ahead.rows or name not in ahead.rows[expert]:
             return None
-        if ahead.done is not None:
-            ahead.done.result()      # a read's CheckpointError is raised here, where the row is needed
-            ahead.done = None
+        ahead.jobs[expert].result()      # this expert's read only; its CheckpointError is raised here
         ahead.used.add(expert)
         return ahead.rows[expert][name]
 
@@ -162,19 +169,25 @@ class Lookahead:
         self.hits += hit
         self.misses += len(needed) - hit
         if ahead is not None:
-            if ahead.done is not None:
-                ahead.done.result()
+            # wrong guesses: read all the same (their bytes wasted), finishing in the background
+            self._outstanding.extend(job for e, job in ahead.jobs.items() if e not in used)
             self.wasted_bytes += sum(r.numel() * r.element_size() for e, rows in ahead.rows.items()
                                      if e not in used for r in rows.values())
 
-    def begin_step(self) -> None:
-        """A forward call starts: reads left from a call that raised are waited for and dropped."""
-        for ahead in self._ahead.values():
-            if ahead.done is not None:
-                ahead.done.exception()
-        self._ahead.clear()
+    def settle(self) -> None:
+        """A forward call ends (or the next begins): the reads still under way are waited for (a read error
+        surfaces here, at the latest) and dropped: no read outlives the call that started it."""
+        pending = self._outstanding + [job for ahead in self._ahead.values() for job in ahead.jobs.values()]
+        self._outstanding, self._ahead = [], {}
+        errors = [job.exception() for job in pending]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
 
     def reset(self) -> None:
+        for job in self._outstanding:
+            job.exception()
+        self._outstanding.clear()
         self._ahead.clear()
         self.hits = self.misses = self.wasted_bytes = self.predicted = 0
         self.per_layer.clear()
@@ -189,9 +202,9 @@ class Lookahead:
                 "lookahead_recall": recall}
 
 
-def _read_all(jobs) -> None:
-    for src, rows, buf in jobs:
-        src.read_rows(rows, buf)
+def _read_all(reads) -> None:
+    for src, expert, buf in reads:
+        src.read_rows([expert], buf)
 
 
 def lookahead_stats(la: Lookahead | None, decode_tokens: int) -> dict:

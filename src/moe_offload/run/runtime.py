@@ -222,10 +222,12 @@ class Runtime(RunState):
         if self.host_cache_step:
             self.host_cache.policy.begin_step()
         if self.lookahead is not None:
-            self.lookahead.begin_step()
+            self.lookahead.settle()
 
     @torch.compiler.disable
     def _top_post(self, module, args, kwargs, output):
+        if self.lookahead is not None:
+            self.lookahead.settle()    # wrong guesses' reads end with the call that started them
         for top_k_index, per_expert in self.routes:
             self.counter.add(per_expert * torch.unique(top_k_index).numel())
         self.routes.clear()
