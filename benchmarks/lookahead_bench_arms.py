@@ -1,0 +1,378 @@
+"""The pieces of benchmarks/lookahead_bench.py that measure: the widened model, the prediction on the trained model,
+the memory cgroup, one arm's child process (ours) and llama.cpp's run under the same limit.
+
+The widened model: the trained Qwen3-MoE (models/trained-qwen3moe) with only its routed experts widened from
+moe_intermediate_size 64 to FFN. Each expert keeps its trained 64 units; the added units are random (gate/up
+N(0, 0.02), down N(0, DOWN_STD)), so that their contribution to the residual stream is small and the trained
+routers see nearly the hidden states of the trained model on natural text: the routing keeps its skew, the
+experts get the bytes of a model larger than RAM. Written in bf16, per-expert keys (Hugging Face's layout, what
+convert_hf_to_gguf.py reads), one shard per layer, cached in models/ (git-ignored).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAINED = ROOT / "models" / "trained-qwen3moe"
+CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+DOWN_STD = 1e-3     # the added units' down_proj: their output is ~1% of a trained expert's (measured: routing agreement)
+GiB = 1 << 30
+
+
+# --- the widened model ---------------------------------------------------------------------------------------
+
+def wide_dir(ffn: int) -> Path:
+    return ROOT / "models" / f"lookahead-bench-wide-{ffn}"
+
+
+def ensure_wide(ffn: int, seed: int = 0) -> Path:
+    out = wide_dir(ffn)
+    if (out / "model.safetensors.index.json").is_file():
+        return out
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    print(f"making {out.name} (once; cached) ...", file=sys.stderr)
+    gen = torch.Generator().manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(TRAINED, dtype=torch.float32)
+    cfg = json.loads((TRAINED / "config.json").read_text())
+    f0 = cfg["moe_intermediate_size"]
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    dense = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items() if ".mlp.experts." not in k
+             and not (k == "lm_head.weight" and cfg.get("tie_word_embeddings"))}
+    save_file(dense, tmp / "model-dense.safetensors", metadata={"format": "pt"})
+    weight_map = {k: "model-dense.safetensors" for k in dense}
+    for layer, block in enumerate(model.model.layers):
+        ex = block.mlp.experts
+        e, _, h = ex.gate_up_proj.shape
+        shard, name = {}, f"model-layer{layer}.safetensors"
+        for i in range(e):
+            parts = {"gate_proj": (ex.gate_up_proj[i, :f0], 0.02, 0), "up_proj": (ex.gate_up_proj[i, f0:], 0.02, 0),
+                     "down_proj": (ex.down_proj[i], DOWN_STD, 1)}
+            for proj, (w, std, dim) in parts.items():
+                shape = (ffn - f0, h) if dim == 0 else (h, ffn - f0)
+                extra = torch.randn(shape, generator=gen) * std
+                key = f"model.layers.{layer}.mlp.experts.{i}.{proj}.weight"
+                shard[key] = torch.cat([w.detach(), extra], dim=dim).to(torch.bfloat16).contiguous()
+                weight_map[key] = name
+        save_file(shard, tmp / name, metadata={"format": "pt"})
+    total = sum((tmp / n).stat().st_size for n in set(weight_map.values()))
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}, indent=1))
+    cfg.update(moe_intermediate_size=ffn, dtype="bfloat16")
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    for p in TRAINED.iterdir():
+        if p.name.startswith(("tokenizer", "special_tokens", "generation_config", "eval_texts")):
+            shutil.copy(p, tmp / p.name)
+    (tmp / "widened.json").write_text(json.dumps({"from": TRAINED.name, "trained_ffn": f0, "ffn": ffn, "seed": seed,
+                                                  "gate_up_std": 0.02, "down_std": DOWN_STD}))
+    tmp.replace(out)
+    return out
+
+
+def parallel_random_bandwidth(folder: Path, block: int, reads: int = 96, threads: int = 4, seed: int = 1) -> float:
+    """O_DIRECT random reads of `block` bytes, `threads` in flight (disk_bench.disk_bandwidth: one at a time)."""
+    import mmap
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = sorted(folder.glob("*.safetensors"))
+    rng = random.Random(seed)
+    jobs = []
+    for _ in range(reads):
+        f = files[rng.randrange(len(files))]
+        jobs.append((f, rng.randrange(max(1, (f.stat().st_size - block) // 4096)) * 4096))
+
+    def worker(part):
+        buf = mmap.mmap(-1, block)
+        fds = {f: os.open(f, os.O_RDONLY | os.O_DIRECT) for f in files}
+        try:
+            return sum(os.preadv(fds[f], [buf], off) for f, off in part)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+            buf.close()
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(worker, [jobs[i::threads] for i in range(threads)]))
+    return total / (time.perf_counter() - start)
+
+
+# --- 1. prediction on the trained model ------------------------------------------------------------------------
+
+def routing_and_hidden(model, ids: list[int], prefill: int, steps: int) -> list[dict]:
+    """Per decode step: the runtime's routing (layer -> expert ids) and each decoder layer's output hidden state."""
+    import torch
+
+    from moe_offload.measure.timing import _forward_keywords
+    from moe_offload.model.inventory import layer_of, layer_prefix
+
+    rt = model.moe_offload_runtime
+    hidden, pre, calls, handles = {}, {}, [], []
+    for name, mod in model.named_modules():
+        if layer_prefix(name) == name:
+            layer = layer_of(name)
+            handles.append(mod.register_forward_hook(lambda m, a, out, layer=layer: hidden.__setitem__(
+                layer, (out[0] if isinstance(out, tuple) else out).detach().clone())))
+            # the residual stream after this layer's attention, before its MoE: a prediction made here overlaps
+            # the whole of this layer's experts (a wider window than its output's)
+            handles.append(mod.post_attention_layernorm.register_forward_pre_hook(
+                lambda m, a, layer=layer: pre.__setitem__(layer, a[0].detach().clone())))
+    rt.recorder = lambda call: calls.append({"routed": {k: set(v.flatten().tolist()) for k, v in call.experts.items()},
+                                             "hidden": dict(hidden), "pre": dict(pre)})
+    cache_kw, _, _ = _forward_keywords(model)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = model(input_ids=x[:, :prefill], use_cache=True)
+        for i in range(min(steps, len(ids) - prefill)):
+            out = model(input_ids=x[:, prefill + i:prefill + i + 1], use_cache=True, **{cache_kw: getattr(out, cache_kw)})
+    for h in handles:
+        h.remove()
+    rt.recorder = None
+    return calls[1:]
+
+
+def prediction(cfg: dict, arm_ids: list[int]) -> dict:
+    import torch
+
+    from moe_offload.loading.loader import load, load_tokenizer
+    from moe_offload.run.lookahead import RouterPredictor
+
+    torch.set_num_threads(1)
+    model, _ = load(TRAINED, device="cpu", offload_gb=0)
+    tok = load_tokenizer(TRAINED)
+    texts = json.loads((TRAINED / "eval_texts.json").read_text())
+    n = cfg["texts"]
+    chosen = [("heldout_prose", t) for t in texts["heldout_prose"][:n]] + [("heldout_code", t) for t in texts["heldout_code"][:n]]
+    predictor = RouterPredictor(model)
+    layers = model.config.num_hidden_layers
+    experts = model.config.num_experts
+    counts = {t: {"tp": 0, "pred": 0, "actual": 0} for t in range(layers)}
+    variants = {"n2": {t: [0, 0] for t in range(layers)}, "pre": {t: [0, 0] for t in range(layers)}}  # [right, picked]
+    picks = {t: [0] * experts for t in range(layers)}
+    steps_seen = 0
+    for kind, text in chosen:
+        ids = tok(text)["input_ids"]
+        for call in routing_and_hidden(model, ids, cfg["prefill"], cfg["pred_steps"]):
+            steps_seen += 1
+            for t in range(layers):
+                actual = call["routed"][t]
+                counts[t]["actual"] += len(actual)
+                for e in actual:
+                    picks[t][e] += 1
+                if t == 0:
+                    continue            # N = 1: layer 0 has no layer before it
+                for v, h in (("n2", call["hidden"].get(t - 2)), ("pre", call["pre"][t - 1])):
+                    if h is not None:
+                        variants[v][t][0] += len(set(predictor.predict(t, h) or []) & actual)
+                        variants[v][t][1] += len(actual)
+                pred = set(predictor.predict(t, call["hidden"][t - 1]) or [])
+                counts[t]["pred"] += len(pred)
+                counts[t]["tp"] += len(pred & actual)
+    arm_routing = [{t: sorted(c["routed"][t]) for t in range(layers)}
+                   for c in routing_and_hidden(model, arm_ids, cfg["prefill"], cfg["steps"])]
+    per_layer = {}
+    for t, c in counts.items():
+        per_layer[t] = {"recall": c["tp"] / c["actual"] if t and c["actual"] else None,
+                        "precision": c["tp"] / c["pred"] if t and c["pred"] else None,
+                        "picked": c["actual"], "predicted": c["pred"], "right": c["tp"], "skew_top10": skew(picks[t]),
+                        **{f"recall_{v}": (vc[t][0] / vc[t][1] if vc[t][1] else None) for v, vc in variants.items()}}
+    needed = sum(c["actual"] for c in counts.values())
+    right = sum(c["tp"] for c in counts.values())
+    wasted = sum(c["pred"] - c["tp"] for c in counts.values())
+    return {"texts": [k for k, _ in chosen], "decode_steps": steps_seen,
+            "per_layer": per_layer, "read_ahead_share": right / needed, "wasted_share": wasted / needed,
+            "read_ahead_share_layers_1_on": right / sum(c["actual"] for t, c in counts.items() if t),
+            "arm_text_routing": arm_routing}
+
+
+def skew(picks: list[int]) -> float:
+    """Share of the picks taken by the busiest 10% of experts, rounded up (4 of 32: uniform routing gives 12.5%)."""
+    top = max(1, math.ceil(len(picks) / 10))
+    return sum(sorted(picks, reverse=True)[:top]) / max(1, sum(picks))
+
+
+# --- the memory limit ------------------------------------------------------------------------------------------
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("1\n")
+
+
+def run_limited(cmd: list[str], limit_bytes: int | None, name: str, log: Path, timeout_s: float = 900) -> dict:
+    """Run cmd in a fresh v1 memory cgroup of limit_bytes (None: no limit, no cgroup) after dropping the page cache:
+    its exit code, stdout, rusage (read bytes, max RSS) and the cgroup's peak charge, failcnt and OOM kills."""
+    cg = CGROUP_ROOT / f"lookahead-bench-{name}"
+    if limit_bytes is not None:
+        if cg.exists():
+            cg.rmdir()
+        cg.mkdir()
+        (cg / "memory.limit_in_bytes").write_text(str(limit_bytes))
+    drop_caches()
+    procs = str(cg / "cgroup.procs")
+
+    def join():     # in the child, before exec: everything it maps or reads is charged to the cgroup
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+
+    start = time.perf_counter()
+    with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err:
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, preexec_fn=join if limit_bytes is not None else None)
+        deadline = start + timeout_s
+        while True:
+            pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.perf_counter() > deadline:
+                p.kill()
+            time.sleep(0.05)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    res = {"rc": p.returncode, "wall_s": time.perf_counter() - start, "stdout": log.read_text(),
+           "stderr_tail": log.with_suffix(".err").read_text()[-3000:],
+           "child_read_bytes": ru.ru_inblock * 512, "child_maxrss_bytes": ru.ru_maxrss * 1024}
+    if limit_bytes is not None:
+        oom = dict(line.split() for line in (cg / "memory.oom_control").read_text().splitlines())
+        res.update(cgroup_limit_bytes=limit_bytes, cgroup_max_usage_bytes=int((cg / "memory.max_usage_in_bytes").read_text()),
+                   cgroup_failcnt=int((cg / "memory.failcnt").read_text()), cgroup_oom_kills=int(oom.get("oom_kill", 0)))
+        cg.rmdir()
+    return res
+
+
+# --- one arm of ours, in its own process ------------------------------------------------------------------------
+
+def child(spec: dict) -> dict:
+    """One arm: load the model as spec says, prefill spec['prefill'] tokens, then one timed decode step per token."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from disk_bench import _io_read_bytes, disk_plan
+    from moe_offload.loading.loader import load
+    from moe_offload.measure.timing import _forward_keywords, peak_rss_bytes, reset_peak_rss
+    from moe_offload.run.host_cache import host_cache_stats
+    from moe_offload.run.lookahead import lookahead_stats
+    from moe_offload.run import disk_tier, lookahead
+    import transformers  # noqa: F401  (imported before the peak is reset)
+
+    # Where a step's time goes (wrapped here, in this process only): the critical path's expert staging (reads,
+    # host-cache copies; look-ahead takes included) and the look-ahead's takes (waits for reads under way).
+    timers = {"stage": 0.0, "take": 0.0}
+
+    def timed(cls, name, key):
+        f = getattr(cls, name)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                timers[key] += time.perf_counter() - t
+        setattr(cls, name, wrapper)
+
+    timed(disk_tier.DiskTier, "stage_experts", "stage")
+    timed(lookahead.Lookahead, "take", "take")
+    folder = Path(spec["model"])
+    ids = torch.tensor([spec["ids"]])
+    reset_peak_rss()
+    base = peak_rss_bytes()
+    t0 = time.perf_counter()
+    if spec["arm"] == "resident":
+        model, plan = load(folder, device="cpu", offload_gb=0)
+    else:
+        plan = disk_plan(folder, spec["budget_gb"], spec["reserve_gb"])
+        model, plan = load(folder, device="cpu", plan=plan, host_cache_gb=spec.get("host_cache_gb"),
+                           lookahead=spec.get("lookahead", 0), disk_read=spec.get("disk_read", "direct"))
+    load_s = time.perf_counter() - t0
+    rt = model.moe_offload_runtime
+    routed = []
+    rt.recorder = lambda call: routed.append({k: v.flatten().tolist() for k, v in call.experts.items()})
+    cache_kw, _, takes_keep = _forward_keywords(model)
+    extra = {"logits_to_keep": 1} if takes_keep else {}
+    p, steps = spec["prefill"], spec["steps"]
+    itl, disk, io, argmax = [], [], [], []
+    with torch.no_grad():
+        t = time.perf_counter()
+        out = model(input_ids=ids[:, :p], use_cache=True, **extra)
+        ttft = time.perf_counter() - t
+        cache = getattr(out, cache_kw)
+        timers.update(stage=0.0, take=0.0)
+        for i in range(steps):
+            before = _io_read_bytes()
+            t = time.perf_counter()
+            out = model(input_ids=ids[:, p + i:p + i + 1], use_cache=True, **{cache_kw: cache}, **extra)
+            argmax.append(int(out.logits[0, -1].argmax()))
+            itl.append(time.perf_counter() - t)
+            io.append(_io_read_bytes() - before)
+            disk.append(rt.disk_counter.calls[-1][1])
+            cache = getattr(out, cache_kw)
+    peak = peak_rss_bytes()
+    decode_routed = routed[1:]          # the prefill's call first
+    row = {"arm": spec["label"], "key": spec["key"], "steps": steps, "load_s": load_s, "ttft_s": ttft,
+           "itl_s": itl, "tok_s_mean": steps / sum(itl), "tok_s_p50": 1 / statistics.median(itl),
+           "disk_counted_bytes_per_token": statistics.mean(disk), "proc_io_read_bytes_per_token": statistics.mean(io),
+           "peak_rss_bytes": peak, "baseline_rss_bytes": base, "argmax": argmax, "routed": decode_routed,
+           "resident_bytes": plan.resident_bytes,
+           "disk_tier_bytes": sum(t.offloaded_bytes for t in plan.tensors if t.tier == "disk"),
+           "stage_ms_per_token": timers["stage"] / steps * 1e3, "lookahead_take_ms_per_token": timers["take"] / steps * 1e3,
+           "mechanism": rt.mechanism, "plan_notes": list(getattr(plan, "notes", []) or []),
+           **host_cache_stats(getattr(rt, "host_cache", None)), **lookahead_stats(getattr(rt, "lookahead", None), steps)}
+    if getattr(rt, "lookahead", None) is not None:
+        rt.lookahead.close()
+    return row
+
+
+def run_ours(spec: dict, limit_bytes: int | None, logdir: Path) -> dict:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "lookahead_bench.py"), "--child", json.dumps(spec)]
+    res = run_limited(cmd, limit_bytes, spec["key"], logdir / f"{spec['key']}.out")
+    lines = [ln for ln in res.pop("stdout").splitlines() if ln.startswith("{")]
+    if res["rc"] != 0 or not lines:
+        return {"arm": spec["label"], "key": spec["key"], "error": f"exit {res['rc']}", **res}
+    res.pop("stderr_tail")
+    return {**json.loads(lines[-1]), **res}
+
+
+# --- llama.cpp, memory-mapped, under the same limit --------------------------------------------------------------
+
+def run_llama(model: Path, prompt: str, steps: int, limit_bytes: int, logdir: Path, threads: int) -> dict:
+    """llama-completion on the model's bf16 GGUF (convert_hf_to_gguf.py via tools/engines.py), mmap'd (its default),
+    cold page cache, in the cgroup; run once for 1 token and once for steps + 1, so that the difference of their
+    read bytes over steps is what decoding reads per token (the load and prefill cancel)."""
+    from step_bench_peers import EVAL, engines, ensure_gguf
+
+    where = engines()["llama_cpp"]
+    base = {"arm": "(e) llama.cpp mmap", "key": "llama"}
+    if not where["ok"]:
+        return {**base, "error": f"llama.cpp missing: {where['missing']}"}
+    gguf = ensure_gguf(model)
+    runs = {}
+    for n in (1, steps + 1):
+        cmd = [where["completion"], "-m", str(gguf), "-p", prompt, "-n", str(n), "--ignore-eos", "-no-cnv",
+               "--temp", "0", "--seed", "0", "-t", str(threads), "-tb", str(threads), "-c", "512"]
+        res = run_limited(cmd, limit_bytes, f"llama-{n}", logdir / f"llama-{n}.out")
+        log = res["stdout"] + (logdir / f"llama-{n}.err").read_text()
+        m = EVAL.search(log)
+        if res["rc"] != 0 or (n > 1 and m is None):
+            return {**base, "error": f"llama-completion -n {n}: exit {res['rc']}", "log_tail": log[-1500:],
+                    **{k: v for k, v in res.items() if k != "stdout"}}
+        res.pop("stdout")
+        res["eval_ms"], res["eval_runs"] = (float(m.group(1)), int(m.group(2))) if m else (0.0, 0)
+        runs[n] = res
+    long = runs[steps + 1]
+    per_token = (long["child_read_bytes"] - runs[1]["child_read_bytes"]) / steps
+    return {**base, **{k: v for k, v in long.items() if k.startswith("cgroup_") or k == "wall_s"},
+            "steps": long["eval_runs"], "tok_s_mean": long["eval_runs"] / (long["eval_ms"] / 1e3), "tok_s_p50": None,
+            "proc_io_read_bytes_per_token": max(per_token, 0.0), "disk_counted_bytes_per_token": None,
+            "peak_rss_bytes": long["child_maxrss_bytes"], "read_bytes_runs": [runs[1]["child_read_bytes"],
+            long["child_read_bytes"]], "gguf": gguf.name, "mechanism": "llama.cpp's default mmap of the GGUF"}
