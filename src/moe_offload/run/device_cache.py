@@ -51,6 +51,7 @@ from ..planning.planner import DEFAULT_RESERVE_GB
 from ..planning.placement import GiB, format_bytes
 
 from .experts import ExpertsState
+from .pages import PagedArena
 from .state import RunState
 
 Key = tuple[int, int]  # (layer, expert)
@@ -154,11 +155,24 @@ class DeviceCache:
         self.policy_name = policy
         self.capacity_bytes = capacity_bytes
         self.policy: ExpertCache = make_cache(policy, capacity_bytes)
-        self.page_bytes = 0
-        self.arena: torch.Tensor | None = None   # uint8 [pages, page_bytes] on the device
-        self._free: list[int] = []                # free page ids (a stack)
-        self._pages: dict[Key, tuple[list[int], ...]] = {}   # resident key -> per tensor of its layer, its pages
+        self.pages = PagedArena()                 # uint8 [pages, page_bytes] on the device (pages.py)
         self._layers: dict[int, _Layer] = {}
+
+    @property
+    def page_bytes(self) -> int:
+        return self.pages.page_bytes
+
+    @property
+    def arena(self) -> torch.Tensor | None:
+        return self.pages.arena
+
+    @property
+    def _pages(self) -> dict[Key, tuple[list[int], ...]]:   # resident key -> per tensor of its layer, its pages
+        return self.pages.held
+
+    @property
+    def _free(self) -> list[int]:
+        return self.pages.free
 
     # --- layout ------------------------------------------------------------------------------
     def attach(self, states: Mapping[str, ExpertsState], device: torch.device) -> None:
@@ -176,44 +190,26 @@ class DeviceCache:
                                       "(layer, expert), as traces and replay do: load without cache_gb")
             layers[state.layer] = _layout(module, state)
         self._layers = layers
-        rows = [b for lay in layers.values() for b in lay.row_bytes]
-        if not rows:   # nothing routed is offloaded: nothing to cache, nothing carved
-            self.page_bytes, self.arena, self._free = 0, None, []
-            return
-        page = math.gcd(*rows)
-        biggest = max((n, lay.layer, e) for lay in layers.values() for e, n in enumerate(lay.nbytes))
-        if biggest[0] > self.capacity_bytes:   # check_capacity refused it from the plan already, unless transformed
-            _too_small(self.capacity_bytes, *biggest)
-        total = sum(n // page for lay in layers.values() for n in lay.nbytes)
-        pages = min(self.capacity_bytes // page, total)
-        if self.arena is None or tuple(self.arena.shape) != (pages, page) or self.arena.device != device:
-            self.arena = torch.empty((pages, page), dtype=torch.uint8, device=device)
-        self.page_bytes = page
-        self._free = list(range(pages - 1, -1, -1))   # pop() hands out the lowest first
+        biggest = max(((n, lay.layer, e) for lay in layers.values() for e, n in enumerate(lay.nbytes)), default=None)
+        if biggest is not None and biggest[0] > self.capacity_bytes:   # check_capacity refused it from the plan
+            _too_small(self.capacity_bytes, *biggest)                  # already, unless transformed
+        self.pages.carve([b for lay in layers.values() for b in lay.row_bytes],
+                         [n for lay in layers.values() for n in lay.nbytes], self.capacity_bytes, device)
 
     @property
     def device_bytes(self) -> int:
         """Device memory the cache holds: its arena."""
-        return 0 if self.arena is None else self.arena.numel()
+        return self.pages.nbytes
 
     # --- contents ----------------------------------------------------------------------------
     def _claim(self, key: Key, lay: _Layer, expert: int) -> None:
-        pages = []
-        for b, rows in zip(lay.row_bytes, lay.host_row):
-            n = b // self.page_bytes if rows[expert] is not None else 0
-            assert n <= len(self._free), "the policy admitted more bytes than the arena holds"
-            pages.append([self._free.pop() for _ in range(n)])
-        self._pages[key] = tuple(pages)
-
-    def _release(self, key: Key) -> None:
-        for pages in self._pages.pop(key):
-            self._free.extend(pages)
+        self.pages.claim(key, [b if rows[expert] is not None else 0 for b, rows in zip(lay.row_bytes, lay.host_row)])
 
     def drop_all(self) -> None:
         """Forget every cached copy (the policy keeps its history, as after an invalidation)."""
-        for key in list(self._pages):
+        for key in list(self.pages.held):
             self.policy.invalidate(key)
-            self._release(key)
+            self.pages.release(key)
 
     def invalidate(self, names: Iterable[str] | None = None) -> list[Key]:
         """Drop the cached copies of experts of these tensors (dotted names; None: all); returns the keys dropped."""
@@ -233,7 +229,7 @@ class DeviceCache:
                 key = (lay.layer, e)
                 if row is not None and key in self._pages:
                     self.policy.invalidate(key)
-                    self._release(key)
+                    self.pages.release(key)
                     dropped.append(key)
         return dropped
 
@@ -270,7 +266,7 @@ class DeviceCache:
             key = (lay.layer, e)
             hit[i] = policy.access(key, nbytes)
             for victim in policy.last_evicted:   # never of this layer step: the policy protects the step's experts
-                self._release(victim)
+                self.pages.release(victim)
             if not hit[i] and key in policy:
                 self._claim(key, lay, e)
                 admitted[i] = True
@@ -323,8 +319,7 @@ class DeviceCache:
         """The disk-tier tensors' rows of this step's device-cache misses, in ascending id order: local name ->
         [misses on disk in that tensor, ...]. Read below the device cache as without it: from the host cache where
         it holds them, else from the checkpoint (or the rows the look-ahead read), counted there."""
-        on_disk = {e for t, d in enumerate(lay.on_disk) if d for e in ids if lay.host_row[t][e] is not None}
-        miss = [e for i, e in enumerate(ids) if not hit[i] and e in on_disk]
+        miss = state.disk_reads([e for i, e in enumerate(ids) if not hit[i]])
         hc = rt.host_cache if rt.host_cache_step and rt.host_cache.serves(lay.layer) else None
         decision = hc.decide(lay.layer, miss) if hc is not None else None
         rows = {}
@@ -337,8 +332,7 @@ class DeviceCache:
                                                cached=None if ti is None else (hc, decision, ti), layer=lay.layer,
                                                lookahead_key=name)
         if rt.lookahead is not None and rt.decode_step:
-            hits = decision.hit if decision is not None else {}
-            rt.lookahead.end_layer(lay.layer, [e for e in miss if not hits.get(e, False)])
+            rt.lookahead.end_layer(lay.layer, state.disk_reads(miss, decision))
         return rows
 
 

@@ -120,9 +120,9 @@ class ExpertsState:
         view = _StagedExperts(module, staged, count)
         return rt.compute(module, staged, hidden_states, local, top_k_weights, view=view, decode=rt.step_tokens == 1)
 
-    def _disk_needed(self, ids: list[int], decision) -> list[int]:
-        """The selected experts read from the disk tier in this layer step (on disk in some tensor, not served by
-        the host cache)."""
+    def disk_reads(self, ids: list[int], decision=None) -> list[int]:
+        """Of `ids`, the experts read from the disk tier in this layer step: on disk in some tensor, not served by
+        the host cache (`decision`: its host_cache.Decision, or None)."""
         on_disk = set()
         for name in self.disk:
             split = self.split.get(name)
@@ -153,7 +153,7 @@ class ExpertsState:
             staged[name] = rt.disk.stage_experts(rt, src, selected, self.split.get(name), key=name,
                                                  cached=None if t is None else (hc, decision, t), layer=self.layer)
         if self.disk and rt.lookahead is not None and rt.decode_step and not cached:   # what the guesses saved
-            rt.lookahead.end_layer(self.layer, self._disk_needed(selected.tolist(), decision))
+            rt.lookahead.end_layer(self.layer, self.disk_reads(selected.tolist(), decision))
         for name, t in self.offloaded.items():
             if name in staged:                                  # gathered through the device cache
                 continue

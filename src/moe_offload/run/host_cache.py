@@ -16,8 +16,9 @@ Reads, for one layer step (disk_tier.DiskTier.stage_experts does the copies):
     miss       read from the checkpoint (counted as disk bytes); admitted by the policy, its rows are then
                copied into pages it claimed (victims' pages freed first)
 
-Memory: one arena of `pages x page_bytes` (uint8), page_bytes the gcd of every disk-tier expert row, so any
-set of experts within capacity_bytes fits without fragmentation (device_cache.py's scheme, in host memory).
+Memory: one arena of `pages x page_bytes` (uint8; pages.py, the device cache's arena too, here in host memory),
+page_bytes the gcd of every disk-tier expert row, so any set of experts within capacity_bytes fits without
+fragmentation.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..errors import BudgetError
 from ..planning.placement import format_bytes
 from ..routing.cache_policy import make_cache
 from ..routing.expert_cache import ExpertCache
+from .pages import PagedArena
 
 Key = tuple[int, int]   # (layer, expert)
 
@@ -63,11 +65,16 @@ class HostCache:
         self.policy_name = policy
         self.capacity_bytes = capacity_bytes
         self.policy: ExpertCache = make_cache(policy, capacity_bytes)
-        self.page_bytes = 0
-        self.arena: torch.Tensor | None = None
-        self._free: list[int] = []
-        self._pages: dict[Key, tuple[list[int], ...]] = {}
+        self.pages = PagedArena()                 # uint8 [pages, page_bytes] in host memory (pages.py)
         self._layers: dict[int, _Layer] = {}
+
+    @property
+    def page_bytes(self) -> int:
+        return self.pages.page_bytes
+
+    @property
+    def arena(self) -> torch.Tensor | None:
+        return self.pages.arena
 
     def attach(self, states: Mapping[str, object]) -> None:
         """Lay the cache out over the experts modules' disk-tier tensors (module name -> experts.ExpertsState)."""
@@ -90,36 +97,26 @@ class HostCache:
                 nbytes = tuple(sum(b for b, d in zip(rows, disk) if d[e]) for e in range(n))
                 layers[state.layer] = _Layer(state.layer, tuple(names), tuple(rows), tuple(disk), nbytes)
         self._layers = layers
-        rows = [b for lay in layers.values() for b in lay.row_bytes]
-        if not rows:
-            self.page_bytes, self.arena, self._free = 0, None, []
-            return
-        page = math.gcd(*rows)
-        biggest = max((n, lay.layer, e) for lay in layers.values() for e, n in enumerate(lay.nbytes))
-        if biggest[0] > self.capacity_bytes:
+        biggest = max(((n, lay.layer, e) for lay in layers.values() for e, n in enumerate(lay.nbytes)), default=None)
+        if biggest is not None and biggest[0] > self.capacity_bytes:
             raise BudgetError(f"a host cache of {format_bytes(self.capacity_bytes)} cannot hold one disk expert "
                               f"(layer {biggest[1]}, expert {biggest[2]}: {format_bytes(biggest[0])}); give "
                               f"--host-cache-gb of at least {biggest[0] / (1 << 30):.4g}, or 0 for none")
-        total = sum(n // page for lay in layers.values() for n in lay.nbytes)
-        pages = min(self.capacity_bytes // page, total)
-        if self.arena is None or tuple(self.arena.shape) != (pages, page):
-            self.arena = torch.empty((pages, page), dtype=torch.uint8)
-        self.page_bytes = page
-        self._free = list(range(pages - 1, -1, -1))
+        self.pages.carve([b for lay in layers.values() for b in lay.row_bytes],
+                         [n for lay in layers.values() for n in lay.nbytes], self.capacity_bytes)
 
     @property
     def host_bytes(self) -> int:
-        return 0 if self.arena is None else self.arena.numel()
+        return self.pages.nbytes
 
     def serves(self, layer: int | None) -> bool:
         return layer in self._layers
 
     # --- contents ----------------------------------------------------------------------------
     def drop_all(self) -> None:
-        for key in list(self._pages):
+        for key in list(self.pages.held):
             self.policy.invalidate(key)
-            for pages in self._pages.pop(key):
-                self._free.extend(reversed(pages))
+            self.pages.release(key)
 
     def reset(self) -> None:
         """Empty, with a fresh policy (no history, counts at 0): as just after load."""
@@ -127,7 +124,7 @@ class HostCache:
         self.policy = make_cache(self.policy_name, self.capacity_bytes)
 
     def contents(self) -> set[Key]:
-        return set(self._pages)
+        return set(self.pages.held)
 
     def stats(self) -> dict:
         return {"host_cache_policy": self.policy_name, "host_cache_bytes": self.capacity_bytes,
@@ -146,13 +143,11 @@ class HostCache:
             key = (layer, e)
             hit[e] = self.policy.access(key, nbytes)
             for victim in self.policy.last_evicted:
-                for victim_pages in self._pages.pop(victim):
-                    self._free.extend(reversed(victim_pages))
+                self.pages.release(victim)
             if not hit[e] and key in self.policy:       # admitted: claim its pages now
-                self._pages[key] = tuple([self._free.pop() for _ in range(b // self.page_bytes if d[e] else 0)]
-                                         for b, d in zip(lay.row_bytes, lay.on_disk))
-            if key in self._pages:
-                pages[e] = self._pages[key]
+                self.pages.claim(key, [b if d[e] else 0 for b, d in zip(lay.row_bytes, lay.on_disk)])
+            if key in self.pages.held:
+                pages[e] = self.pages.held[key]
         return Decision(layer, hit, pages)
 
     def tensor_index(self, layer: int, name: str) -> int | None:

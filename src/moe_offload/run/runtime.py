@@ -213,11 +213,11 @@ class Runtime(RunState):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         length = getattr(cache, "get_seq_length", None)
         self._decode = bool(length()) if callable(length) else None
-        # The device cache serves the calls the counter counts as decode steps (and a trace records as such).
-        self.cache_step = self.cache is not None and (self._decode if self._decode is not None else self.step_tokens == 1)
+        # The caches serve the calls the counter counts as decode steps (and a trace records as such).
+        self.decode_step = self._decode if self._decode is not None else self.step_tokens == 1
+        self.cache_step = self.cache is not None and self.decode_step
         if self.cache_step:
             self.cache.policy.begin_step()   # where a step starts, as replay marks it per decoded token
-        self.decode_step = self._decode if self._decode is not None else self.step_tokens == 1
         self.host_cache_step = self.host_cache is not None and self.decode_step
         if self.host_cache_step:
             self.host_cache.policy.begin_step()

@@ -1,0 +1,59 @@
+"""One arena of equal pages for cached experts: the bookkeeping the device cache and the host cache share.
+
+The arena is uint8 [pages, page_bytes], page_bytes the greatest common divisor of every cached tensor row (one
+expert's slice of one tensor), carved once: whatever set of experts a policy holds within its capacity fits in
+capacity // page_bytes pages, wherever the free pages are, with no fragmentation whatever the mix of row sizes.
+An admitted expert claims, per tensor of its layer, that row's pages; an evicted one gives them back. Pages are
+handed out lowest first and given back in order, so a row's pages are mostly runs of consecutive ids.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Hashable, Iterable
+
+import torch
+
+
+class PagedArena:
+    """Pages of one arena, and which key holds which (per tensor of its layer, its page ids)."""
+
+    def __init__(self):
+        self.page_bytes = 0
+        self.arena: torch.Tensor | None = None
+        self.free: list[int] = []                                 # free page ids (a stack: pop() is the lowest)
+        self.held: dict[Hashable, tuple[list[int], ...]] = {}     # key -> per tensor, its pages
+
+    def carve(self, row_bytes: Iterable[int], expert_bytes: Iterable[int], capacity: int,
+              device: torch.device | str = "cpu") -> None:
+        """Pages for rows of these sizes within `capacity` bytes, never more than every expert (of
+        `expert_bytes`) together; the tensor is kept when its shape and device do not change. Nothing is held."""
+        rows = list(row_bytes)
+        self.held = {}
+        if not rows:   # nothing to cache: nothing carved
+            self.page_bytes, self.arena, self.free = 0, None, []
+            return
+        page = math.gcd(*rows)
+        pages = min(capacity // page, sum(n // page for n in expert_bytes))
+        if self.arena is None or tuple(self.arena.shape) != (pages, page) or self.arena.device != torch.device(device):
+            self.arena = torch.empty((pages, page), dtype=torch.uint8, device=device)
+        self.page_bytes = page
+        self.free = list(range(pages - 1, -1, -1))
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.arena is None else self.arena.numel()
+
+    def claim(self, key: Hashable, row_bytes: Iterable[int]) -> tuple[list[int], ...]:
+        """Pages for `key`'s rows (0 bytes: a tensor the expert has no row in)."""
+        pages = []
+        for b in row_bytes:
+            n = b // self.page_bytes if b else 0
+            assert n <= len(self.free), "the policy admitted more bytes than the arena holds"
+            pages.append([self.free.pop() for _ in range(n)])
+        self.held[key] = tuple(pages)
+        return self.held[key]
+
+    def release(self, key: Hashable) -> None:
+        for pages in self.held.pop(key):
+            self.free.extend(reversed(pages))   # back in order: the next claim gets them ascending again
