@@ -119,12 +119,18 @@ def replay_routing(tb: TokenBytes, ids: np.ndarray, *, cache=None, host_cache=No
     held: dict[tuple[int, int], set] = {}       # (token, layer row) -> the host cache's keys when that layer began
     snapshot = host_cache is not None and predicted is not None
 
+    noted = [-1]                                # the last layer row of this token noted in `held`
+
     def note_held(i: int, upto: int) -> None:   # layer rows up to `upto` not noted yet begin with these contents
-        for row in range(upto + 1):
-            held.setdefault((i, row), host_cache.contents())
+        if upto > noted[0]:
+            now = host_cache.contents()         # one copy per layer reached, not per access
+            for row in range(noted[0] + 1, upto + 1):
+                held[(i, row)] = now
+            noted[0] = upto
 
     start = 0
     for i, end in enumerate(ends):   # every token is one decode step, as the runtime marks it
+        noted[0] = -1
         if cache is not None:
             cache.begin_step()
         if host_cache is not None:
