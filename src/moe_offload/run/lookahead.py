@@ -77,7 +77,6 @@ def _readable(*mods: nn.Module) -> bool:
 class _Ahead:
     """Rows read ahead for one layer: expert -> local tensor name -> row, and each expert's read job."""
 
-    ids: list[int]
     rows: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     jobs: dict[int, Future] = field(default_factory=dict)
     used: set = field(default_factory=set)
@@ -131,7 +130,7 @@ class Lookahead:
         hc = rt.host_cache if rt.host_cache_step else None
         held = hc.contents() if hc is not None else set()
         want = [e for e in ids if (layer, e) not in held]
-        ahead = _Ahead(want)
+        ahead = _Ahead()
         self.predicted += len(want)
         reads: dict[int, list] = {}
         for name, src in state.disk.items():
