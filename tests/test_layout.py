@@ -24,7 +24,7 @@ FLOORS = {
     "run": 5,
     "loading": 6,
     "api": 7,
-    "measure": 8,
+    "measure": 8, "serve": 8,
     "cli": 9,
     "__init__": 10,
 }

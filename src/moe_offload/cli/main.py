@@ -17,6 +17,7 @@ import sys
 from ..errors import MoeOffloadError
 from .plan_commands import cmd_export, cmd_make_tiny, cmd_plan, cmd_replay
 from .run_commands import cmd_bench, cmd_generate, cmd_profile
+from .serve_command import add_serve_parser
 
 
 class _Parser(argparse.ArgumentParser):
@@ -159,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", metavar="FILE", help="write the rows as one JSON list to FILE (`-`: stdout)")
     b.add_argument("--plot", metavar="FILE.png", help="write a two-panel chart: tok/s and link bytes per token")
     b.set_defaults(func=cmd_bench)
+
+    add_serve_parser(sub, _budget_options, _runtime_options)
 
     r = sub.add_parser("replay", help="bytes a placement (and cache) would read for a routing trace, without "
                                       "running the model")

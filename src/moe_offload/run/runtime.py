@@ -209,6 +209,11 @@ class Runtime(RunState):
         if ids is None:
             ids = kwargs.get("inputs_embeds")
         self.step_tokens = int(ids.shape[1]) if ids is not None and ids.dim() >= 2 else 1
+        # transformers' continuous batching packs its sequences into one row ([1, T]) and names the longest
+        # query `max_length_q`: that is the call's new tokens per sequence (1: every sequence decodes one).
+        packed = kwargs.get("max_length_q")
+        if isinstance(packed, int):
+            self.step_tokens = packed
         # transformers 5.24 names the KV cache `cache` (`past_key_values` before): a decode step extends one.
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         length = getattr(cache, "get_seq_length", None)
