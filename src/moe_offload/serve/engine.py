@@ -121,6 +121,9 @@ class Engine:
                                       max_requests_per_batch=limits.max_concurrency, allow_block_sharing=False,
                                       use_cuda_graph=False, max_queue_size=0)
         self.manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+        device = model.moe_offload_runtime.device
+        if model.device != device:   # a disk-tier first parameter (its placeholder is meta)
+            self.manager.model = _OnDevice(model, device)
         self.sampler = Sampler()
         install(self.manager, self.sampler)
         self.admission = _Admission(limits)
@@ -211,6 +214,24 @@ class Engine:
                 self.manager.cancel_request(rid)
                 with self.manager.output_router._lock:
                     self.manager.output_router.result_handlers.pop(rid, None)
+
+
+class _OnDevice:
+    """The model as the manager sees it, on the runtime's device. transformers takes a model's device from its
+    first parameter, and a disk-tier tensor's placeholder is on the meta device (its bytes stay in the
+    checkpoint); every other attribute and the call are the model's own."""
+
+    def __init__(self, model, device):
+        self.__dict__["_model"], self.__dict__["device"] = model, device
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._model, name, value)
+
+    def __call__(self, *args, **kwargs):
+        return self._model(*args, **kwargs)
 
 
 class _Detokenizer:
