@@ -72,8 +72,23 @@ def kv_cache_bytes(model, opts: ServeOptions) -> int:
     return limits.kv_blocks * opts.page_size * kv_bytes_per_token(model.config, model.dtype.itemsize)
 
 
-def run(model, plan, tokenizer, sock: socket.socket, opts: ServeOptions, *, announce=print) -> int:
-    """Serve until told to stop; returns the exit status (0)."""
+@dataclass
+class Served:
+    """A server made and not yet run: uvicorn's server over the app, the engine and the meter it needs."""
+
+    server: object          # uvicorn.Server
+    engine: Engine
+    meter: object           # metrics.Meter
+    metrics: object         # metrics.Metrics
+
+    def close(self) -> None:
+        self.engine.stop()
+        self.meter.close()
+
+
+def make_server(model, plan, tokenizer, opts: ServeOptions) -> Served:
+    """The app over a started engine, in a uvicorn server (run it with `.server.run(sockets=[sock])`, in the
+    main thread to take SIGTERM, or in another where a test drives it; then `.close()`)."""
     import uvicorn
 
     from .app import build_app
@@ -89,18 +104,22 @@ def run(model, plan, tokenizer, sock: socket.socket, opts: ServeOptions, *, anno
                     metrics=metrics)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=opts.shutdown_timeout,
                             lifespan="off", access_log=False)
-    server = uvicorn.Server(config)
+    engine.start()
+    return Served(uvicorn.Server(config), engine, meter, metrics)
+
+
+def run(model, plan, tokenizer, sock: socket.socket, opts: ServeOptions, *, announce=print) -> int:
+    """Serve until SIGTERM / SIGINT (from the main thread); returns the exit status (0)."""
+    served = make_server(model, plan, tokenizer, opts)
     stopped: list[int] = []
     previous = {sig: signal.signal(sig, lambda s, _f: stopped.append(s)) for sig in (signal.SIGTERM, signal.SIGINT)}
-    engine.start()
     host, port = sock.getsockname()[:2]
     announce(f"serving {opts.served_name!r} on http://{host}:{port}/v1 (max {opts.max_concurrency} sequences "
              f"together, {opts.max_queue} waiting); SIGTERM or Ctrl-C stops")
     try:
-        server.run(sockets=[sock])
+        served.server.run(sockets=[sock])
     finally:
-        engine.stop()
-        meter.close()
+        served.close()
         sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
