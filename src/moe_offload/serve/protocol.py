@@ -24,6 +24,8 @@ MAX_STOP_STRINGS = 4               # as OpenAI
 _NEUTRAL = {"user": None, "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "best_of": 1,
             "echo": False, "suffix": None, "parallel_tool_calls": None, "store": False, "metadata": None,
             "service_tier": None, "tool_choice": "none", "response_format": {"type": "text"}}
+# Accepted at any value: free-form tags of the caller that never reach the model.
+_ANY_VALUE = {"user", "metadata"}
 _OURS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
          "stop", "stream", "stream_options", "n", "ignore_eos", "logprobs", "top_logprobs"}
 
@@ -85,7 +87,7 @@ def _number(body: dict, name: str, default, lo: float, hi: float, *, integer: bo
 
 def _check_params(body: dict) -> None:
     for name, value in body.items():
-        if name in _OURS:
+        if name in _OURS or name in _ANY_VALUE:
             continue
         if name in _NEUTRAL and value == _NEUTRAL[name] or name in _NEUTRAL and value is None:
             continue
