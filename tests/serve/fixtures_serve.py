@@ -138,7 +138,7 @@ def serving(model, plan, tok, **options) -> Iterator[Live]:
         thread.join(timeout=30)
         served.close()
         sock.close()
-        assert not thread.is_alive(), "the server thread did not stop"
+    assert not thread.is_alive(), "the server thread did not stop"
 
 
 def http(url: str, *, method: str = "GET", body: bytes | dict | None = None,

@@ -37,11 +37,14 @@ async def collect(engine: Engine, req) -> tuple[str, Event, int]:
 
 @contextlib.contextmanager
 def started(model, tok, limits: Limits):
+    """(a started engine, run(coroutine)): every coroutine runs on one event loop, as in the server (the
+    manager delivers to the loop a request registered on)."""
     engine = Engine(model, tok, limits)
     engine.start()
     try:
-        assert engine.alive is None
-        yield engine
+        with asyncio.Runner() as runner:
+            assert engine.alive is None
+            yield engine, runner.run
     finally:
         engine.stop()
 
@@ -71,8 +74,8 @@ def test_concurrent_greedy_tokens_equal_generate_and_the_meter_agrees_with_a_sin
         [(t.name, t.tier, t.host_expert_ids) for t in plan.tensors]
     meter = Meter(model)
     try:
-        with started(model, tok, limits()) as engine:
-            text, last, _ = asyncio.run(collect(engine, request(tok, PROMPTS[0])))
+        with started(model, tok, limits()) as (engine, run):
+            text, last, _ = run(collect(engine, request(tok, PROMPTS[0])))
             assert last.token_ids == refs[0].tokens and last.finish == "length" and last.completion_tokens == NEW
             assert text == tok.decode(refs[0].tokens, skip_special_tokens=True)
             # one prefill call, then NEW - 1 decode steps of one token each
@@ -83,7 +86,7 @@ def test_concurrent_greedy_tokens_equal_generate_and_the_meter_agrees_with_a_sin
                 return await asyncio.gather(*(collect(engine, request(tok, p)) for p in PROMPTS))
 
             steps, tokens = meter.decode_steps, meter.decode_tokens
-            results = asyncio.run(all_at_once())
+            results = run(all_at_once())
             assert engine.running == 0 and engine.waiting == 0
     finally:
         meter.close()
@@ -102,19 +105,20 @@ def test_concurrent_greedy_tokens_equal_generate_and_the_meter_agrees_with_a_sin
 
 @pytest.fixture(scope="module")
 def shared(folder):
-    """(engine, tokenizer, meter, greedy references of PROMPTS) on the uva arm; references taken before the
-    engine starts."""
+    """(engine, run, tokenizer, meter, greedy references of PROMPTS) on the uva arm; references taken before
+    the engine starts."""
     tok = tokenizer(folder)
     model, _ = load(folder, "uva")
     refs = [reference(model, tok(p)["input_ids"], NEW) for p in PROMPTS]
+    assert min(r.margin for r in refs) > MIN_MARGIN
     meter = Meter(model)
-    with started(model, tok, limits()) as engine:
-        yield engine, tok, meter, refs
+    with started(model, tok, limits()) as (engine, run):
+        yield engine, run, tok, meter, refs
     meter.close()
 
 
 def test_a_seeded_sampled_request_draws_the_same_tokens_alone_and_beside_others(shared):
-    engine, tok, _, refs = shared
+    engine, run, tok, _, refs = shared
     seeded = dict(temperature=0.8, seed=5)
 
     async def alone():
@@ -125,14 +129,14 @@ def test_a_seeded_sampled_request_draws_the_same_tokens_alone_and_beside_others(
         return await asyncio.gather(collect(engine, request(tok, PROMPTS[0], **seeded)),
                                     *(collect(engine, r) for r in others))
 
-    first = asyncio.run(alone())[1].token_ids
-    together = asyncio.run(beside_seven())
+    first = run(alone())[1].token_ids
+    together = run(beside_seven())
     assert together[0][1].token_ids == first
     assert len(first) == NEW and first != refs[0].tokens   # sampled, not the argmax
     # the greedy neighbours (every other one) are still generate's tokens beside sampled requests
     for i in range(1, len(PROMPTS), 2):
         assert together[i][1].token_ids == refs[i].tokens
-    other_seed = asyncio.run(collect(engine, request(tok, PROMPTS[0], temperature=0.8, seed=6)))[1].token_ids
+    other_seed = run(collect(engine, request(tok, PROMPTS[0], temperature=0.8, seed=6)))[1].token_ids
     assert other_seed != first
     assert len(engine.sampler) == 0   # every draw state discarded
 
@@ -150,26 +154,28 @@ def _a_stop_string(tok, tokens: list[int]) -> tuple[str, int]:
 
 @pytest.mark.parametrize("which", [0, 2, 5])
 def test_a_stop_string_ends_the_text_before_it_with_finish_stop(shared, which):
-    engine, tok, _, refs = shared
+    engine, run, tok, _, refs = shared
     full = tok.decode(refs[which].tokens, skip_special_tokens=True)
     stop, at = _a_stop_string(tok, refs[which].tokens)
-    text, last, _ = asyncio.run(collect(engine, request(tok, PROMPTS[which], stop=["\x00never", stop])))
+    text, last, _ = run(collect(engine, request(tok, PROMPTS[which], stop=["\x00never", stop])))
     assert (text, last.finish) == (full[:at], "stop"), (full, stop)
     assert stop not in text and last.completion_tokens < NEW
     assert last.token_ids == refs[which].tokens[: last.completion_tokens]
     assert engine.running == 0
+    # the stopped sequence is cancelled in the manager, which delivers it no finished output: its handler is gone
+    assert not engine.manager.output_router.result_handlers
 
 
 def test_a_stop_string_that_never_appears_changes_nothing(shared):
-    engine, tok, _, refs = shared
-    text, last, n = asyncio.run(collect(engine, request(tok, PROMPTS[1], stop="\x00never")))
+    engine, run, tok, _, refs = shared
+    text, last, n = run(collect(engine, request(tok, PROMPTS[1], stop="\x00never")))
     assert (text, last.finish, last.token_ids) == (tok.decode(refs[1].tokens, skip_special_tokens=True), "length",
                                                    refs[1].tokens)
     assert n > 1   # streamed in pieces
 
 
 def test_cancelling_a_consumer_mid_stream_frees_its_slot(shared):
-    engine, tok, meter, refs = shared
+    engine, run, tok, meter, refs = shared
     long = CONTEXT - len(tok(PROMPTS[3])["input_ids"])
 
     async def cancel_then_follow():
@@ -187,13 +193,14 @@ def test_cancelling_a_consumer_mid_stream_frees_its_slot(shared):
         after = meter.decode_steps - at_cancel
         return after, await collect(engine, request(tok, PROMPTS[4]))
 
-    after, (_, last, _) = asyncio.run(cancel_then_follow())
+    after, (_, last, _) = run(cancel_then_follow())
     assert after < long // 2, f"{after} decode steps after the cancel: the sequence went on"
     assert last.token_ids == refs[4].tokens and engine.running == 0
+    assert not engine.manager.output_router.result_handlers
 
 
 def test_a_consumer_that_breaks_and_drops_the_stream_frees_its_slot(shared):
-    engine, tok, _, refs = shared
+    engine, run, tok, _, refs = shared
 
     async def drop():
         async for _ in engine.generate(request(tok, PROMPTS[0], max_tokens=100)):
@@ -203,7 +210,7 @@ def test_a_consumer_that_breaks_and_drops_the_stream_frees_its_slot(shared):
             await asyncio.sleep(0.01)
         return engine.running, await collect(engine, request(tok, PROMPTS[5]))
 
-    running, (_, last, _) = asyncio.run(drop())
+    running, (_, last, _) = run(drop())
     assert running == 0 and last.token_ids == refs[5].tokens
 
 
@@ -212,7 +219,7 @@ def test_a_consumer_that_breaks_and_drops_the_stream_frees_its_slot(shared):
 def test_a_request_past_the_slots_and_the_queue_is_refused_at_once(folder):
     tok = tokenizer(folder)
     model, _ = load(folder, "uva")
-    with started(model, tok, limits(concurrency=1, queue=1)) as engine:
+    with started(model, tok, limits(concurrency=1, queue=1)) as (engine, run):
         async def three():
             first = engine.generate(request(tok, PROMPTS[0], max_tokens=20))
             got = [await first.__anext__()]           # the first request holds the only slot
@@ -229,12 +236,12 @@ def test_a_request_past_the_slots_and_the_queue_is_refused_at_once(folder):
             got += [ev async for ev in first]
             return got, await second, refused_in, str(info.value)
 
-        got, (_, second, _), refused_in, why = asyncio.run(three())
+        got, (_, second, _), refused_in, why = run(three())
         assert refused_in < 0.5
         assert "--max-concurrency 1" in why and "--max-queue 1" in why and "retry later" in why
         assert (got[-1].finish, got[-1].completion_tokens) == ("length", 20)
         assert (second.finish, second.completion_tokens) == ("length", NEW)
         assert (engine.running, engine.waiting) == (0, 0)
         # the slot is free again
-        _, last, _ = asyncio.run(collect(engine, request(tok, PROMPTS[2])))
+        _, last, _ = run(collect(engine, request(tok, PROMPTS[2])))
         assert last.finish == "length"

@@ -88,8 +88,9 @@ def build_app(engine: Engine, tokenizer, *, served_name: str, context: int, api_
 
     @app.exception_handler(HTTPException)
     async def _http_error(_request, exc: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return refuse(ApiError(exc.status_code, f"{exc.detail}: this server has GET /health, /metrics, /v1/models "
-                                                "and POST /v1/completions, /v1/chat/completions", code="not_found"))
+                                                "and POST /v1/completions, /v1/chat/completions", code=code))
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):

@@ -212,8 +212,10 @@ class Engine:
             self.sampler.discard(rid)
             if not finished:   # the consumer went away (disconnect) or an error: the sequence ends now
                 self.manager.cancel_request(rid)
-                with self.manager.output_router._lock:
-                    self.manager.output_router.result_handlers.pop(rid, None)
+            # A cancelled sequence (a stop string, a disconnect) gets no finished output, which is what would
+            # drop its handler: drop it here, or it stays (and takes the outputs of the steps before the cancel).
+            with self.manager.output_router._lock:
+                self.manager.output_router.result_handlers.pop(rid, None)
 
 
 class _OnDevice:

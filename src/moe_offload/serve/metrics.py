@@ -31,6 +31,8 @@ class Meter:
 
     def _after(self, module, args, kwargs, output) -> None:
         rt = self.runtime
+        if not rt.counter.calls:   # the runtime's own hook did not end this call (it raised): nothing counted
+            return
         (tokens, host), decode = rt.counter.calls[-1], rt.counter.decode[-1]
         disk = rt.disk_counter.calls[-1][1]
         ids = kwargs.get("input_ids", args[0] if args else None)

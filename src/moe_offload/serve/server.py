@@ -124,6 +124,6 @@ def run(model, plan, tokenizer, sock: socket.socket, opts: ServeOptions, *, anno
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if stopped:
-        print(f"stopped by {signal.Signals(stopped[0]).name}: the running requests ended, the server is down",
-              file=sys.stderr)
+        print(f"stopped by {signal.Signals(stopped[0]).name}: the running requests ended or were cancelled after "
+              f"--shutdown-timeout {opts.shutdown_timeout:g} s; the server is down", file=sys.stderr)
     return 0
