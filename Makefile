@@ -61,6 +61,7 @@ bench: setup model engines
 	$(BIN)/python benchmarks/disk_bench.py
 	$(BIN)/python benchmarks/step_bench.py
 	$(BIN)/python benchmarks/lookahead_bench.py
+	$(BIN)/python benchmarks/serve_bench.py
 
 # The real peer engines, outside the repository and cached by version (MOE_OFFLOAD_ENGINES_DIR, default
 # ~/.cache/moe-offload/engines): llama.cpp built from the sources in the registry's llama-cpp-python source

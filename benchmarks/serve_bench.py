@@ -11,6 +11,8 @@ round a prompt of its own (the same prompts, in the same order, for every server
   (chunks per token is recorded: a token whose text is held back, e.g. half a UTF-8 character, merges two gaps);
 - link MiB/token: our /metrics `moe_offload_link_bytes_per_token` (our server is restarted for each level, so the
   gauge covers that level's decode steps, warm-up round included);
+- client CPU ms/token: the CPU the benchmark's own openai clients spent per completion token (they share the
+  machine's cores with the server under test);
 - requests ok: finish_reason "length" with usage.completion_tokens == max_tokens, no error (none retried).
 
 References in the same run, same budget, threads and prompts: `moe-offload bench --arms sparse-first
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,13 +48,13 @@ LEVELS = (1, 4, 8)
 TRAINED = "trained-qwen3moe"
 RANDOM = "random-8x16"
 RANDOM_SHAPE = dict(family="qwen3_moe", layers=8, experts=16, top_k=4, hidden=512, head_dim=64, dtype="bf16")
+
+
 def ensure_random(folder: Path) -> Path:
-    if (folder / "config.json").is_file():
-        return folder
+    """The random model, made once (seconds) and reused."""
     from moe_offload.tiny.make import make_tiny
 
-    print(f"making {folder} (once; cached) ...", file=sys.stderr)
-    return make_tiny(folder, **RANDOM_SHAPE)
+    return folder if (folder / "config.json").is_file() else make_tiny(folder, **RANDOM_SHAPE)
 
 
 # --- one server, every level -------------------------------------------------------------------------------------
@@ -61,9 +64,10 @@ def run_levels(server: sp.Server, prompts: list[str], plan: dict, rounds: int, t
     rows = []
     for c in levels:
         print(f"    {server.spec.name}: {c} client(s) ...", file=sys.stderr)
+        before = machine_info.loadavg()
         got = [sp.client_round(server.base, server.model_id, [prompts[i] for i in plan[(c, r)]], plan[(c, r)],
                                tokens, server.spec.extra_body) for r in range(rounds + 1)]
-        row = sp.level_row(got[1:], got[0], c, tokens)
+        row = dict(sp.level_row(got[1:], got[0], c, tokens), loadavg=[before, machine_info.loadavg()])
         if metrics:
             m = server.metrics()
             row["link_bytes_per_token"] = m.get("moe_offload_link_bytes_per_token")
@@ -115,62 +119,59 @@ def _shared(a: str, b: str) -> float:
 # --- one model ------------------------------------------------------------------------------------------------------
 
 def measure_model(label: str, folder: Path, args, where: dict, logs: Path) -> dict:
+    """Our server, then at once the runtime's references (so that they see the same load on a shared machine),
+    then the peers."""
     import moe_offload as mo
 
     roles = mo.plan(folder, offload_gb=0).roles()
-    expert_bytes = roles["routed_expert"]["bytes"]
-    offload_gb = expert_bytes / 2 / GiB
-    hd, max_len = sp.head_dim(folder), min(256, sp.context_of(folder))
+    off = roles["routed_expert"]["bytes"] / 2 / GiB
+    hd, max_len, t, tokens = sp.head_dim(folder), min(256, sp.context_of(folder)), args.threads, args.tokens
     plan = sp.schedule(args.rounds, LEVELS)
     prompts = sp.prompt_pool(max(i for ids in plan.values() for i in ids) + 1)
-    t, tokens = args.threads, args.tokens
-    out = {"folder": str(folder.relative_to(ROOT)), "expert_bytes": expert_bytes, "offload_gb": offload_gb,
+    keys = ("num_hidden_layers", "num_local_experts", "num_experts", "num_experts_per_tok", "hidden_size",
+            "moe_intermediate_size", "head_dim", "dtype", "vocab_size")
+    out = {"folder": str(folder.relative_to(ROOT)), "expert_bytes": roles["routed_expert"]["bytes"], "offload_gb": off,
            "total_bytes": sum(r["bytes"] for r in roles.values()), "head_dim": hd, "max_model_len": max_len,
-           "config": {k: v for k, v in json.loads((folder / "config.json").read_text()).items()
-                      if k in ("num_hidden_layers", "num_local_experts", "num_experts", "num_experts_per_tok",
-                               "hidden_size", "moe_intermediate_size", "head_dim", "dtype", "torch_dtype",
-                               "vocab_size")}, "prompts": prompts, "schedule": {f"{c}x{r}": v for (c, r), v in plan.items()}}
-    print(f"{label}: moe-offload serve (offload {offload_gb:.3f} GiB) ...", file=sys.stderr)
+           "config": {k: v for k, v in json.loads((folder / "config.json").read_text()).items() if k in keys},
+           "prompts": prompts, "schedule": {f"{c}x{r}": v for (c, r), v in plan.items()}}
     slug = label.split()[0]
-    rows = peer_rows(f"{slug}-ours", lambda p: sp.ours_spec(folder, p, t, offload_gb, max_len), prompts, plan,
-                     args.rounds, tokens, logs, restart_per_level=True)
+    print(f"{label}: moe-offload serve (offload {off:.3f} GiB) ...", file=sys.stderr)
+    rows = peer_rows(f"{slug}-ours", lambda p: sp.ours_spec(folder, p, t, off, max_len), prompts, plan, args.rounds,
+                     tokens, logs, restart_per_level=True)
+    print(f"{label}: moe-offload bench --concurrency 1,8, then generate ...", file=sys.stderr)
+    out["bench"] = _ref(lambda: sp.bench_rows(folder, off, t, [prompts[i] for i in plan[(8, 1)]], (1, 8), tokens,
+                                              args.bench_runs, ROOT / "bench-out" / "serve-bench-work" / slug))
+    gen_prompts = [prompts[i] for r in range(1, args.rounds + 1) for i in plan[(1, r)]]
+    out["generate"] = _ref(lambda: sp.generate_ref(folder, off, t, gen_prompts, tokens, 1))
+    ours1 = next((r for r in rows if r["server"] == "moe-offload serve" and r["clients"] == 1), {})
+    texts = {prompts[k]: v for k, v in ours1.get("texts", {}).items() if k >= 0}
+    same = [texts[p] == g for p, g in out["generate"].get("texts", {}).items() if p in texts]
+    out["generate"]["same_text_as_serve_c1"] = f"{sum(same)}/{len(same)}"
     if not args.no_transformers:
         print(f"{label}: transformers serve ...", file=sys.stderr)
         rows += peer_rows(f"{slug}-transformers", lambda p: sp.transformers_spec(folder, p, t), prompts, plan,
                           args.rounds, tokens, logs, restart_per_level=False)
-    if args.no_vllm:
-        out["vllm"] = "not run (--no-vllm)"
-    elif not where["vllm"]["ok"]:
-        out["vllm"] = f"not available: {where['vllm']['missing']}"
-    elif hd != 64:
-        out["vllm"] = (f"not applicable: head_dim {hd} (vLLM's CPU attention takes the make-tiny models with "
-                       "head_dim 64 only)")
-    else:
+    out["vllm"] = ("not run (--no-vllm)" if args.no_vllm else f"not available: {where['vllm']['missing']}"
+                   if not where["vllm"]["ok"] else f"not applicable: head_dim {hd} (vLLM's CPU attention takes the "
+                   "make-tiny models with head_dim 64 only)" if hd != 64 else "run")
+    if out["vllm"] == "run":
         print(f"{label}: vLLM ...", file=sys.stderr)
         rows += peer_rows(f"{slug}-vllm", lambda p: sp.vllm_spec(where, folder, p, t, max_len), prompts, plan,
                           args.rounds, tokens, logs, restart_per_level=False)
-        out["vllm"] = "run"
     agree(rows)
     out["rows"] = rows
-    bench_prompts = [prompts[i] for i in plan[(8, 1)]]
-    print(f"{label}: moe-offload bench --concurrency 1,8 ...", file=sys.stderr)
-    try:
-        out["bench"] = sp.bench_rows(folder, offload_gb, t, bench_prompts, (1, 8), tokens, args.bench_runs,
-                                     ROOT / "bench-out" / "serve-bench-work" / slug)
-    except (RuntimeError, OSError) as e:
-        out["bench"] = {"error": str(e)[-800:]}
-    print(f"{label}: generate ...", file=sys.stderr)
-    gen_prompts = [prompts[i] for r in range(1, args.rounds + 1) for i in plan[(1, r)]]
-    try:
-        out["generate"] = sp.generate_ref(folder, offload_gb, t, gen_prompts, tokens, 1)
-        ours1 = next((r for r in rows if r["server"] == "moe-offload serve" and r["clients"] == 1), {})
-        texts = {prompts[k]: v for k, v in ours1.get("texts", {}).items() if k >= 0}
-        same = [texts[p] == g for p, g in out["generate"]["texts"].items() if p in texts]
-        out["generate"]["same_text_as_serve_c1"] = f"{sum(same)}/{len(same)}"
-    except (RuntimeError, OSError) as e:
-        out["generate"] = {"error": str(e)[-800:]}
-    out["targets"] = targets(out, tokens)
     return out
+
+
+def _ref(run) -> dict | list:
+    """A reference's result with the 1-minute load average before and after it, or its error."""
+    before = machine_info.loadavg()
+    try:
+        got = run()
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        return {"error": str(e)[-800:], "loadavg": [before, machine_info.loadavg()]}
+    load = [before, machine_info.loadavg()]
+    return [dict(r, loadavg=load) for r in got] if isinstance(got, list) else dict(got, loadavg=load)
 
 
 def targets(m: dict, tokens: int) -> list[dict]:
@@ -200,7 +201,7 @@ def targets(m: dict, tokens: int) -> list[dict]:
 # --- the report ------------------------------------------------------------------------------------------------------
 
 COLUMNS = ("model", "server", "clients", "tok/s (wall)", "decode tok/s", "TTFT p50 / p99 ms", "ITL p50 / p99 ms",
-           "link MiB/token", "requests ok", "text shared with ours")
+           "link MiB/token", "client CPU ms/token", "requests ok", "text shared with ours")
 
 
 def _f(v, fmt="{:.1f}") -> str:
@@ -209,11 +210,11 @@ def _f(v, fmt="{:.1f}") -> str:
 
 def cells(label: str, r: dict) -> list[str]:
     if "error" in r:
-        return [label, r["server"], str(r["clients"]), "error", "", "", "", "", "", r["error"].splitlines()[-1][:90]]
+        return [label, r["server"], str(r["clients"]), "error"] + [""] * 6 + [r["error"].splitlines()[-1][:90]]
     link = r.get("link_bytes_per_token")
     return [label, r["server"], str(r["clients"]), _f(r["tok_s_wall"]), _f(r["tok_s_decode"]),
             f"{_f(r['ttft_p50_ms'])} / {_f(r['ttft_p99_ms'])}", f"{_f(r['itl_p50_ms'], '{:.2f}')} / "
-            f"{_f(r['itl_p99_ms'], '{:.2f}')}", _f(link and link / MiB, "{:.2f}"),
+            f"{_f(r['itl_p99_ms'], '{:.2f}')}", _f(link and link / MiB, "{:.2f}"), _f(r.get("client_cpu_ms_per_token"), "{:.2f}"),
             f"{r['requests_ok']}/{r['requests']}", _f(r.get("text_shared_with_ours"), "{:.0%}")]
 
 
@@ -223,15 +224,15 @@ def ref_cells(label: str, m: dict) -> list[list[str]]:
         out.append([label, "bench (runtime's own loop)", str(b["concurrency"]), _f(b["tok_s_wall"]),
                     _f(b["tok_s_itl"]) + " (c / ITL p50)", f"{_f(b['ttft_ms'])} / -",
                     f"{_f(b['itl_p50_ms'], '{:.2f}')} / p90 {_f(b['itl_p90_ms'], '{:.2f}')}",
-                    _f(b["link_bytes_per_token"] / MiB, "{:.2f}"), "", ""])
+                    _f(b["link_bytes_per_token"] / MiB, "{:.2f}"), "", "", ""])
     g = m.get("generate", {})
     if "itl_p50_ms" in g:
         out.append([label, "generate (model.generate)", "1", "", _f(g["tok_s_itl"]) + " (1 / ITL p50)",
-                    f"{_f(g['ttft_p50_ms'])} / -", f"{_f(g['itl_p50_ms'], '{:.2f}')} / -", "", "",
+                    f"{_f(g['ttft_p50_ms'])} / -", f"{_f(g['itl_p50_ms'], '{:.2f}')} / -", "", "", "",
                     f"{g['same_text_as_serve_c1']} (vs serve c=1)"])
     for k in ("bench", "generate"):
         if isinstance(m.get(k), dict) and "error" in m[k]:
-            out.append([label, k, "", "error", "", "", "", "", "", m[k]["error"].splitlines()[-1][:90]])
+            out.append([label, k, "", "error"] + [""] * 6 + [m[k]["error"].splitlines()[-1][:90]])
     return out
 
 
@@ -239,7 +240,7 @@ def all_rows(result: dict) -> list[list[str]]:
     rows = []
     for label, m in result["models"].items():
         if "error" in m:
-            rows.append([label, "-", "", "error", "", "", "", "", "", m["error"]])
+            rows.append([label, "-", "", "error"] + [""] * 6 + [m["error"]])
             continue
         rows += [cells(label, r) for r in m["rows"]] + ref_cells(label, m)
     return rows
@@ -285,8 +286,17 @@ def markdown(result: dict) -> str:
                   f"{mm['total_bytes'] / MiB:.0f} MiB ({mm['expert_bytes'] / MiB:.0f} MiB routed experts); ours: "
                   f"`--offload-gb {mm['offload_gb']:.4g}` (half the expert bytes), `--max-model-len {mm['max_model_len']}`. "
                   f"vLLM: {mm['vllm']}.", ""]
-        modes = {r["server"]: r["mode"] for r in mm["rows"]}
-        lines += [f"- {k}: {v}" for k, v in modes.items()] + [""]
+        for name in dict.fromkeys(r["server"] for r in mm["rows"]):
+            rs = [r for r in mm["rows"] if r["server"] == name and "error" not in r]
+            procs = dict.fromkeys((r["start_s"], r["exit_code"]) for r in rs)   # one per server process
+            lines.append(f"- {name}: {rs[0]['mode'] if rs else '-'}; " + ", ".join(
+                f"ready in {st:.1f} s, exit status {ex} on SIGTERM" for st, ex in procs) + "; load average per level "
+                + ", ".join("-".join(f"{x:.1f}" for x in r["loadavg"]) for r in rs if "loadavg" in r))
+        shaky = [f"{r['server']} c={r['clients']} ({min(r['tok_s_decode_rounds']):.0f}-{max(r['tok_s_decode_rounds']):.0f})"
+                 for r in mm["rows"] if len(r.get("tok_s_decode_rounds") or []) > 1
+                 and max(r["tok_s_decode_rounds"]) - min(r["tok_s_decode_rounds"]) > 0.25 * r["tok_s_decode"]]
+        lines += ["- Unsteady levels (decode tok/s of the rounds spread by more than 25% of the median; range): "
+                  + (", ".join(shaky) if shaky else "none") + ".", ""]
         for g in mm["targets"]:
             mark = "n/a" if g["met"] is None else "**met**" if g["met"] else "**missed**"
             lines.append(f"- Target {g['goal']}: {g['value']} -> {mark}")
@@ -340,15 +350,11 @@ def measure(args) -> dict:
     logs = ROOT / "bench-out" / "serve-bench-logs"
     loads = [machine_info.loadavg()]
     models = {}
-    wanted = [RANDOM] if args.quick else [TRAINED, RANDOM]
-    for label in wanted:
-        if label == TRAINED:
-            folder = ROOT / "models" / TRAINED
-            if not (folder / "config.json").is_file():
-                models[label] = {"error": f"{folder} is missing: run `make model` first"}
-                continue
-        else:
-            folder = ensure_random(ROOT / "models" / "serve-bench" / "random-8x16")
+    for label in [RANDOM] if args.quick else [TRAINED, RANDOM]:
+        folder = ROOT / "models" / TRAINED if label == TRAINED else ensure_random(ROOT / "models" / "serve-bench" / RANDOM)
+        if not (folder / "model.safetensors").is_file():
+            models[label] = {"error": f"{folder} is missing: run `make model` first"}
+            continue
         models[label] = measure_model(label, folder, args, where, logs)
         loads.append(machine_info.loadavg())
     return {"machine": {**machine_info.machine(where), "loadavg_min": min(loads), "loadavg_max": max(loads)},

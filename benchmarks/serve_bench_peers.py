@@ -215,6 +215,7 @@ class Request:
     completion_tokens: int | None = None
     finish: str | None = None
     error: str | None = None
+    round_cpu_s: float = 0.0     # CPU seconds of this client process over the whole round (all its clients)
 
     def ok(self, max_tokens: int) -> bool:
         return self.error is None and self.finish == "length" and self.completion_tokens == max_tokens
@@ -253,12 +254,15 @@ def client_round(base: str, model_id: str, prompts: list[str], pool_index: list[
     barrier = threading.Barrier(len(prompts))
     threads = [threading.Thread(target=_stream_one, args=(cl, model_id, p, max_tokens, extra, r, barrier),
                                 daemon=True) for cl, p, r in zip(clients, prompts, reqs)]
+    cpu = time.process_time()        # the client threads' CPU (the main thread only waits)
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=600)
-    for cl in clients:
+    cpu = time.process_time() - cpu
+    for cl, r in zip(clients, reqs):
         cl.close()
+        r.round_cpu_s = cpu
     return reqs
 
 
@@ -305,6 +309,7 @@ def level_row(rounds: list[list[Request]], warm: list[Request], c: int, tokens: 
             "ttft_p50_ms": _ms(_pct(ttft, 50)), "ttft_p99_ms": _ms(_pct(ttft, 99)),
             "itl_p50_ms": _ms(_pct(itl, 50)), "itl_p99_ms": _ms(_pct(itl, 99)), "itl_samples": len(itl),
             "chunks_per_token": sum(len(r.chunks) for r in reqs) / toks if toks else None,
+            "client_cpu_ms_per_token": sum(rs[0].round_cpu_s for rs in rounds if rs) / toks * 1e3 if toks else None,
             "requests": len(every), "requests_ok": sum(r.ok(tokens) for r in every),
             "errors": sorted({r.error for r in every if r.error})[:3],
             "short": [(r.prompt, r.finish, r.completion_tokens) for r in every if not r.error and not r.ok(tokens)][:5],
