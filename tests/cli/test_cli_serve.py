@@ -186,6 +186,7 @@ REFUSALS = [
     ("max-model-len", ["--max-model-len", "{ctx}"], "--max-model-len {ctx}"),
     ("chat-template", ["--chat-template", "{missing}"], "--chat-template {missing}"),
     ("compile", ["--compile"], "--compile"),
+    ("threads", ["--threads", "0"], "--threads 0"),
     ("no-config", [], "no config.json"),
 ]
 

@@ -61,6 +61,12 @@ def cmd_serve(args) -> int:
         if not path.is_file():
             raise MoeOffloadError(f"--chat-template {path}: no such file; give a Jinja chat template file")
         template = path.read_text()
+    if args.threads is not None:
+        if args.threads < 1:
+            raise MoeOffloadError(f"--threads {args.threads}: give at least 1 CPU thread")
+        import torch
+
+        torch.set_num_threads(args.threads)
     sock = bind(opts.host, opts.port)
     try:
         model, plan, tokenizer = load_for_cli(args)
@@ -107,6 +113,8 @@ def add_serve_parser(sub, budget_options, runtime_options) -> None:
     s.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/ (default: none)")
     s.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template for /v1/chat/completions (default: the tokenizer's own)")
+    s.add_argument("--threads", type=int, metavar="N",
+                   help="CPU threads for torch in the server (default: torch's, which OMP_NUM_THREADS sets)")
     s.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
                    help="on SIGTERM, seconds running requests get to finish before they are cancelled (default 10)")
     s.set_defaults(func=cmd_serve)
