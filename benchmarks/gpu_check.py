@@ -21,6 +21,9 @@ qwen3_moe bf16; qwen3_moe FP8 (block-scaled); gpt_oss MXFP4. Loads, at half the 
   in host memory, which SKIPs, naming why, while the loader refuses a tensor split across three tiers);
 - FP8 and MXFP4: all resident; sparse-first with uva and prefetch (dequantized on the device after the
   gather; FP8 Linear weights per call); FP8 with a cache too.
+- serve (gpu_check_serve.py, or alone with `--only serve`): the server's continuous batching on the offloaded
+  model (uva, prefetch): a request alone and 8 together against generate, the meter's link bytes, decode tok/s,
+  CUDA memory after the runs;
 - grouped (gpu_check_compiled.py, last, or alone with `--only grouped`): qwen3_moe and gpt_oss bf16 with
   experts="grouped", resident / half offloaded (uva, prefetch) / every expert tensor whole on the host (uva
   reads inside the graph), eager and grouped and compiled (`mode="reduce-overhead"`: CUDA graphs): logits
@@ -61,6 +64,7 @@ from pathlib import Path
 
 from gpu_check_cases import bf16_cases, compare_tokens, quant_cases
 from gpu_check_compiled import compiled_section
+from gpu_check_serve import serve_section
 from gpu_check_harness import GIB, MIB, Checks, Guard, RunTimeout, StepTimeout
 from gpu_check_load import run_case
 
@@ -123,7 +127,7 @@ def _options(argv) -> argparse.Namespace:
     p.add_argument("--time-limit", type=int, default=420, help="stop (FAIL) after this many seconds in all")
     p.add_argument("--case-limit", type=int, default=90, help="FAIL a step (one load, its checks and decode) "
                                                                 "past this many seconds and go on")
-    p.add_argument("--only", choices=("bf16", "fp8", "mxfp4", "grouped"), action="append",
+    p.add_argument("--only", choices=("bf16", "fp8", "mxfp4", "grouped", "serve"), action="append",
                    help="models to check (default all); grouped: issue 17's grouped experts and compiled decode")
     p.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -142,7 +146,7 @@ def main(argv=None) -> int:
     for k, v in (GPU_SIZES if dev.type == "cuda" else CPU_SIZES).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    models = [m for m in args.only or ["bf16", "fp8", "mxfp4"] if m != "grouped"]
+    models = [m for m in args.only or ["bf16", "fp8", "mxfp4"] if m not in ("grouped", "serve")]
 
     guard = Guard(args.time_limit)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench-out"
@@ -219,6 +223,8 @@ def main(argv=None) -> int:
                     if c["model"] == key:
                         c.pop("prefill_logits", None)
                 write()
+            if not args.only or "serve" in args.only:
+                serve_section(tmp, args, dev, guard, checks, report, write)
             if not args.only or "grouped" in args.only:
                 compiled_section(tmp, args, dev, guard, checks, report, write)
         print_table(tok_s_table(cases))
