@@ -9,7 +9,9 @@ and not a death by signal.)
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import logging
 import signal
 import socket
 import sys
@@ -108,9 +110,25 @@ def make_server(model, plan, tokenizer, opts: ServeOptions) -> Served:
     return Served(uvicorn.Server(config), engine, meter, metrics)
 
 
+class _QuietCancels(logging.Filter):
+    """uvicorn logs the streams it cancels at the shutdown timeout as "Exception in ASGI application" with a
+    traceback: an expected end, not an error, once the server is told to exit."""
+
+    def __init__(self, server):
+        super().__init__()
+        self.server = server
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (self.server.should_exit and isinstance(exc, asyncio.CancelledError))
+
+
 def run(model, plan, tokenizer, sock: socket.socket, opts: ServeOptions, *, announce=print) -> int:
     """Serve until SIGTERM / SIGINT (from the main thread); returns the exit status (0)."""
     served = make_server(model, plan, tokenizer, opts)
+    quiet = _QuietCancels(served.server)
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addFilter(quiet)
     stopped: list[int] = []
     previous = {sig: signal.signal(sig, lambda s, _f: stopped.append(s)) for sig in (signal.SIGTERM, signal.SIGINT)}
     host, port = sock.getsockname()[:2]
@@ -121,6 +139,7 @@ def run(model, plan, tokenizer, sock: socket.socket, opts: ServeOptions, *, anno
     finally:
         served.close()
         sock.close()
+        uvicorn_log.removeFilter(quiet)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if stopped:
