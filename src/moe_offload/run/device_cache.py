@@ -45,13 +45,12 @@ from typing import Iterable, Mapping, NoReturn
 import torch
 
 from ..routing.cache_policy import DEFAULT_CACHE_POLICY, make_cache
-from ..routing.expert_cache import ExpertCache
 from ..errors import BudgetError, MoeOffloadError, SelectorError
 from ..planning.planner import DEFAULT_RESERVE_GB
 from ..planning.placement import GiB, format_bytes
 
 from .experts import ExpertsState
-from .pages import PagedArena
+from .pages import PagedCache
 from .state import RunState
 
 Key = tuple[int, int]  # (layer, expert)
@@ -148,23 +147,8 @@ def _layout(module: str, state: ExpertsState) -> _Layer:
                   tuple(resident_rows), nbytes)
 
 
-class DeviceCache:
+class DeviceCache(PagedCache):
     """Offloaded routed experts kept on the device, in pages carved once, under one cache policy."""
-
-    def __init__(self, policy: str, capacity_bytes: int):
-        self.policy_name = policy
-        self.capacity_bytes = capacity_bytes
-        self.policy: ExpertCache = make_cache(policy, capacity_bytes)
-        self.pages = PagedArena()                 # uint8 [pages, page_bytes] on the device (pages.py)
-        self._layers: dict[int, _Layer] = {}
-
-    @property
-    def page_bytes(self) -> int:
-        return self.pages.page_bytes
-
-    @property
-    def arena(self) -> torch.Tensor | None:
-        return self.pages.arena
 
     @property
     def _pages(self) -> dict[Key, tuple[list[int], ...]]:   # resident key -> per tensor of its layer, its pages
@@ -205,12 +189,6 @@ class DeviceCache:
     def _claim(self, key: Key, lay: _Layer, expert: int) -> None:
         self.pages.claim(key, [b if rows[expert] is not None else 0 for b, rows in zip(lay.row_bytes, lay.host_row)])
 
-    def drop_all(self) -> None:
-        """Forget every cached copy (the policy keeps its history, as after an invalidation)."""
-        for key in list(self.pages.held):
-            self.policy.invalidate(key)
-            self.pages.release(key)
-
     def invalidate(self, names: Iterable[str] | None = None) -> list[Key]:
         """Drop the cached copies of experts of these tensors (dotted names; None: all); returns the keys dropped."""
         if names is None:
@@ -232,17 +210,6 @@ class DeviceCache:
                     self.pages.release(key)
                     dropped.append(key)
         return dropped
-
-    def reset(self) -> None:
-        """Empty, with a fresh policy (no history, counts at 0): as just after load."""
-        self.drop_all()
-        self.policy = make_cache(self.policy_name, self.capacity_bytes)
-
-    def contents(self) -> set[Key]:
-        return set(self._pages)
-
-    def serves(self, layer: int | None) -> bool:
-        return layer in self._layers
 
     def stats(self) -> dict:
         return {"cache_policy": self.policy_name, "cache_bytes": self.capacity_bytes, "cache_hits": self.policy.hits,

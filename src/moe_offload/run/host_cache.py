@@ -31,9 +31,7 @@ import torch
 
 from ..errors import BudgetError
 from ..planning.placement import format_bytes
-from ..routing.cache_policy import make_cache
-from ..routing.expert_cache import ExpertCache
-from .pages import PagedArena
+from .pages import PagedCache
 
 Key = tuple[int, int]   # (layer, expert)
 
@@ -58,23 +56,8 @@ class Decision:
     pages: dict[int, tuple]       # expert -> per tensor, its pages (hits: to read; admitted misses: to fill)
 
 
-class HostCache:
+class HostCache(PagedCache):
     """Disk-tier routed experts kept in host memory, in pages carved once, under one cache policy."""
-
-    def __init__(self, policy: str, capacity_bytes: int):
-        self.policy_name = policy
-        self.capacity_bytes = capacity_bytes
-        self.policy: ExpertCache = make_cache(policy, capacity_bytes)
-        self.pages = PagedArena()                 # uint8 [pages, page_bytes] in host memory (pages.py)
-        self._layers: dict[int, _Layer] = {}
-
-    @property
-    def page_bytes(self) -> int:
-        return self.pages.page_bytes
-
-    @property
-    def arena(self) -> torch.Tensor | None:
-        return self.pages.arena
 
     def attach(self, states: Mapping[str, object]) -> None:
         """Lay the cache out over the experts modules' disk-tier tensors (module name -> experts.ExpertsState)."""
@@ -109,23 +92,7 @@ class HostCache:
     def host_bytes(self) -> int:
         return self.pages.nbytes
 
-    def serves(self, layer: int | None) -> bool:
-        return layer in self._layers
-
     # --- contents ----------------------------------------------------------------------------
-    def drop_all(self) -> None:
-        for key in list(self.pages.held):
-            self.policy.invalidate(key)
-            self.pages.release(key)
-
-    def reset(self) -> None:
-        """Empty, with a fresh policy (no history, counts at 0): as just after load."""
-        self.drop_all()
-        self.policy = make_cache(self.policy_name, self.capacity_bytes)
-
-    def contents(self) -> set[Key]:
-        return set(self.pages.held)
-
     def stats(self) -> dict:
         return {"host_cache_policy": self.policy_name, "host_cache_bytes": self.capacity_bytes,
                 "host_cache_hits": self.policy.hits, "host_cache_misses": self.policy.misses,

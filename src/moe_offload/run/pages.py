@@ -1,4 +1,5 @@
-"""One arena of equal pages for cached experts: the bookkeeping the device cache and the host cache share.
+"""One arena of equal pages for cached experts: the bookkeeping the device cache and the host cache share
+(`PagedArena`), and what each cache is over it (`PagedCache`: its policy and its pages, emptied alike).
 
 The arena is uint8 [pages, page_bytes], page_bytes the greatest common divisor of every cached tensor row (one
 expert's slice of one tensor), carved once: whatever set of experts a policy holds within its capacity fits in
@@ -13,6 +14,9 @@ import math
 from typing import Hashable, Iterable
 
 import torch
+
+from ..routing.cache_policy import make_cache
+from ..routing.expert_cache import ExpertCache
 
 
 class PagedArena:
@@ -57,3 +61,40 @@ class PagedArena:
     def release(self, key: Hashable) -> None:
         for pages in self.held.pop(key):
             self.free.extend(reversed(pages))   # back in order: the next claim gets them ascending again
+
+
+class PagedCache:
+    """A cache of routed experts in pages carved once, under one cache policy: what the device cache and the host
+    cache have in common (each lays out its own layers, `_layers`, and reads and writes its own pages)."""
+
+    def __init__(self, policy: str, capacity_bytes: int):
+        self.policy_name = policy
+        self.capacity_bytes = capacity_bytes
+        self.policy: ExpertCache = make_cache(policy, capacity_bytes)
+        self.pages = PagedArena()                 # uint8 [pages, page_bytes] in the cache's memory
+        self._layers: dict = {}
+
+    @property
+    def page_bytes(self) -> int:
+        return self.pages.page_bytes
+
+    @property
+    def arena(self) -> torch.Tensor | None:
+        return self.pages.arena
+
+    def serves(self, layer: int | None) -> bool:
+        return layer in self._layers
+
+    def drop_all(self) -> None:
+        """Forget every cached copy (the policy keeps its history, as after an invalidation)."""
+        for key in list(self.pages.held):
+            self.policy.invalidate(key)
+            self.pages.release(key)
+
+    def reset(self) -> None:
+        """Empty, with a fresh policy (no history, counts at 0): as just after load."""
+        self.drop_all()
+        self.policy = make_cache(self.policy_name, self.capacity_bytes)
+
+    def contents(self) -> set:
+        return set(self.pages.held)
