@@ -33,6 +33,10 @@ class ServeOptions:
     page_size: int = 64
     shutdown_timeout: float = 10.0
 
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.max_concurrency, self.max_queue, self.context, self.page_size)
+
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket on host:port, or the error a user can act on."""
@@ -70,8 +74,7 @@ def check_options(opts: ServeOptions, model_context: int) -> None:
 
 
 def kv_cache_bytes(model, opts: ServeOptions) -> int:
-    limits = Limits(opts.max_concurrency, opts.max_queue, opts.context, opts.page_size)
-    return limits.kv_blocks * opts.page_size * kv_bytes_per_token(model.config, model.dtype.itemsize)
+    return opts.limits.kv_blocks * opts.page_size * kv_bytes_per_token(model.config, model.dtype.itemsize)
 
 
 @dataclass
@@ -96,9 +99,8 @@ def make_server(model, plan, tokenizer, opts: ServeOptions) -> Served:
     from .app import build_app
     from .metrics import Meter, Metrics
 
-    limits = Limits(opts.max_concurrency, opts.max_queue, opts.context, opts.page_size)
     meter = Meter(model)
-    engine = Engine(model, tokenizer, limits)
+    engine = Engine(model, tokenizer, opts.limits)
     metrics = Metrics(meter, plan, served_name=opts.served_name, kv_bytes=kv_cache_bytes(model, opts),
                       status=lambda: (engine.running, engine.waiting))
     engine.metrics = metrics
