@@ -23,7 +23,8 @@ from moe_offload.tiny.make import make_tiny
 LAYERS = 4
 PROMPT = "The storm reached the coast"
 NEW = 8
-FIELDS = ("lookahead", "lookahead_hits", "lookahead_misses", "lookahead_wasted_bytes_per_token", "lookahead_recall")
+FIELDS = ("lookahead", "lookahead_hits", "lookahead_misses", "lookahead_wasted_bytes_per_token",
+          "lookahead_cancelled_bytes_per_token", "lookahead_recall")
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +92,16 @@ def test_a_negative_lookahead_exits_2(capsys, model_dir, budget, command):
         pytest.fail(f"{command} --lookahead -1 raised {exc!r} instead of exiting 2")
     assert rc == 2 and out == "" and err.startswith("error: ") and err.count("\n") == 1, (rc, err)
     assert "lookahead" in err
+
+
+@pytest.mark.parametrize("backend", ["uva", "prefetch"])
+def test_generate_looks_ahead_for_host_tier_experts(capsys, model_dir, backend):
+    """No disk tier: the host-tier experts are copied ahead (CPU-only: on a worker thread); same tokens and bytes."""
+    host = ["--device", "cpu", "--offload-gb", "0.0005", "--backend", backend]
+    off = _generate(capsys, model_dir, host)
+    on = _generate(capsys, model_dir, host, "--lookahead", 1)
+    assert off["disk_read_bytes_per_token"] == 0 and off["link_bytes_per_token"] > 0
+    assert on["token_ids"] == off["token_ids"] and on["link_bytes_per_token"] == off["link_bytes_per_token"]
+    assert on["lookahead"] == 1 and on["lookahead_hits"] > 0
+    assert on["lookahead_cancelled_bytes_per_token"] == 0          # host copies are never dropped
+    assert off["lookahead_cancelled_bytes_per_token"] == off["lookahead_wasted_bytes_per_token"] == 0

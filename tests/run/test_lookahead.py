@@ -213,8 +213,9 @@ def test_a_perfect_predictor_hits_every_read_and_a_wrong_one_none(folder, plans,
     got = generate(model, ids)
     assert wrong.asked > 0 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert (la.hits, la.misses) == (0, reads), la.stats(NEW - 1)
-    assert la.predicted > 0 and la.wasted_bytes == la.predicted * EXPERT
-    # the wasted rows were really read, on top of the needed ones
+    # every guess is either read in vain or dropped before its read (when its layer routed first)
+    assert la.predicted > 0 and la.wasted_bytes + la.cancelled_bytes == la.predicted * EXPERT
+    # the wasted rows were really read, on top of the needed ones; the cancelled ones were not
     assert rt.disk.bytes_read - before == exact + la.wasted_bytes
 
 
@@ -240,14 +241,57 @@ def test_a_distance_that_is_no_number_of_layers_is_refused(folder, plans, bad):
         load(folder, plan=plans["all"], lookahead=bad)
 
 
-@pytest.mark.parametrize("budget", [dict(offload_gb=0), dict(offload_gb=0.0002)], ids=["resident", "host"])
-def test_nothing_on_disk_loads_without_a_lookahead(folder, budget):
-    """What is found: lookahead=N on a plan without a disk tier is accepted and silently off (no error, no
-    note): runtime.lookahead is None, and generation runs as without it."""
-    model, plan = load(folder, lookahead=2, **budget)
-    assert not any(t.tier == Tier.DISK for t in plan.tensors)
-    assert model.moe_offload_runtime.disk is None and model.moe_offload_runtime.lookahead is None
+def test_nothing_offloaded_loads_without_a_lookahead(folder):
+    """lookahead=N on a plan that offloads no routed expert is accepted and off: nothing to read ahead."""
+    model, plan = load(folder, lookahead=2, offload_gb=0)
+    assert not any(t.tier != Tier.DEVICE for t in plan.tensors)
+    assert model.moe_offload_runtime.lookahead is None
     generate(model, prompt_ids(folder, 4), new_tokens=2)
+
+
+def test_host_tier_experts_without_a_disk_tier_get_a_lookahead(folder):
+    model, plan = load(folder, lookahead=1, offload_gb=0.0005)
+    assert not any(t.tier == Tier.DISK for t in plan.tensors)
+    rt = model.moe_offload_runtime
+    assert rt.disk is None and rt.lookahead is not None
+    generate(model, prompt_ids(folder, 4), new_tokens=3)
+    assert rt.lookahead.predicted > 0 and rt.lookahead.hits + rt.lookahead.misses > 0
+
+
+def test_unpicked_guesses_not_yet_read_are_cancelled(folder, plans):
+    """A layer that routes drops its unpicked guesses: those still queued are never read (counted as cancelled,
+    not wasted), and the disk delivers only the needed bytes. The worker is held busy for the whole call so that
+    every guess is still queued when its layer routes."""
+    ids = prompt_ids(folder, 8)
+    model, _ = load(folder, plan=plans["late"], lookahead=1, disk_read="mmap")
+    rt, la = model.moe_offload_runtime, model.moe_offload_runtime.lookahead
+    recorded = _routing(rt)
+    want = generate(model, ids)
+    reads = _disk_reads(recorded, range(1, LAYERS))
+    la.reset()
+    la.predictor = Replay(recorded, rt)      # right guesses only: the disk delivers the needed bytes, nothing more
+    before = rt.disk.bytes_read
+    generate(model, ids)
+    exact = rt.disk.bytes_read - before
+    assert la.wasted_bytes == la.cancelled_bytes == 0
+
+    la.reset()
+    la.predictor = Replay(recorded, rt, invert=True)
+    import threading
+    gate = threading.Event()
+    held = la._pool.submit(gate.wait)       # the worker waits until the generation is over
+    before = rt.disk.bytes_read
+    try:
+        got = generate(model, ids)
+    finally:
+        gate.set()
+        held.result()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert (la.hits, la.misses) == (0, reads)
+    assert la.predicted > 0 and la.wasted_bytes == 0 and la.cancelled_bytes == la.predicted * EXPERT
+    assert rt.disk.bytes_read - before == exact
+    stats = la.stats(NEW - 1)
+    assert stats["lookahead_cancelled_bytes_per_token"] == la.predicted * EXPERT / (NEW - 1)
 
 
 def test_a_lookahead_read_of_a_truncated_checkpoint_is_raised_where_the_row_is_needed(tmp_path):

@@ -89,8 +89,9 @@ def _runtime_options(p: argparse.ArgumentParser) -> None:
                         "under --cache-policy, carved out of --host-memory (CPU-only: out of --reserve-gb) "
                         "(default: none)")
     p.add_argument("--lookahead", type=int, default=0, metavar="N",
-                   help="while layer l runs, read the disk-tier experts layer l+N is predicted to pick (its router "
-                        "on layer l's output), on a worker thread; tokens unchanged (default 0: off)")
+                   help="while layer l runs, start reading the offloaded experts layer l+N is predicted to pick (its "
+                        "router on layer l's output): disk-tier ones on a worker thread, host-tier ones to the device "
+                        "(side stream; CPU-only, a worker thread); tokens unchanged (default 0: off)")
     p.add_argument("--disk-read", choices=["direct", "mmap"], default="direct",
                    help="how the disk tier reads the checkpoint: direct (default: O_DIRECT, the page cache "
                         "bypassed, our caches decide) or mmap (a memory map: the page cache decides, as llama.cpp)")

@@ -90,9 +90,9 @@ def cmd_replay(args) -> int:
           f"({result.expert_reads} expert reads over the link; the plan expected "
           f"{format_bytes(plan.link_bytes_per_token(1))} per token)")
     if result.lookahead_hits is not None:
-        print(f"look-ahead (the trace's predictions): {result.lookahead_hits} disk reads predicted, "
+        print(f"look-ahead (the trace's predictions): {result.lookahead_hits} reads of offloaded experts predicted, "
               f"{result.lookahead_misses} not; {format_bytes(result.lookahead_wasted_bytes_per_token)} per token "
-              "read in vain")
+              "of wrong guesses (read in vain unless dropped before their read)")
     if plan.disk_bytes:
         print(f"of which from host memory {format_bytes(result.host_link_bytes_per_token)}, from disk "
               f"{format_bytes(result.disk_read_bytes_per_token)} per token")

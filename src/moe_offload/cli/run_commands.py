@@ -108,7 +108,8 @@ def cmd_generate(args) -> int:
         "compile_s": compile_s,   # the first compiled step's time beyond a warm one (None uncompiled)
         **cache_stats(runtime.cache),   # cache_policy, cache_bytes, cache_hits, cache_misses, ...: decode steps
         **host_cache_stats(runtime.host_cache),   # host_cache_policy, host_cache_bytes, host_cache_hits, ...
-        # lookahead (N), lookahead_hits, lookahead_misses, lookahead_wasted_bytes_per_token, lookahead_recall
+        # lookahead (N), lookahead_hits, lookahead_misses, lookahead_wasted_bytes_per_token,
+        # lookahead_cancelled_bytes_per_token, lookahead_recall
         **lookahead_stats(runtime.lookahead, max(len(runtime.counter.calls) - 1, 0)),
     }
     if args.json:
@@ -134,9 +135,10 @@ def cmd_generate(args) -> int:
         print(f"-- host cache {hc['host_cache_policy']} of {format_bytes(hc['host_cache_bytes'])}: "
               f"{hc['host_cache_hits']} hits, {hc['host_cache_misses']} misses over the decode steps", file=sys.stderr)
     if runtime.lookahead is not None:
-        print(f"-- look-ahead {result['lookahead']}: {result['lookahead_hits']} disk reads of picked experts were "
-              f"started before their router asked, {result['lookahead_misses']} were not; "
-              f"{format_bytes(result['lookahead_wasted_bytes_per_token'])} per token read ahead in vain",
+        print(f"-- look-ahead {result['lookahead']}: {result['lookahead_hits']} reads of picked offloaded experts "
+              f"were started before their router asked, {result['lookahead_misses']} were not; "
+              f"{format_bytes(result['lookahead_wasted_bytes_per_token'])} per token read ahead in vain, "
+              f"{format_bytes(result['lookahead_cancelled_bytes_per_token'])} of wrong guesses dropped unread",
               file=sys.stderr)
     if runtime.cache is not None:
         print(f"-- device cache {result['cache_policy']} of {format_bytes(result['cache_bytes'])} "

@@ -72,8 +72,8 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     `cache_policy` (cache_policy.py; default its DEFAULT_CACHE_POLICY); 0 or None is no cache.
     `host_cache_gb`: a host-memory cache of that many GiB for disk-tier routed experts (host_cache.py), under the
     same `cache_policy`, carved out of host_memory_gb (or, CPU-only, out of reserve_gb).
-    `lookahead`: N > 0 reads the disk-tier experts layer l + N is predicted to pick while layer l runs
-    (run/lookahead.py); 0 is off.
+    `lookahead`: N > 0 starts reading the offloaded experts (disk tier and host tier) layer l + N is predicted to
+    pick while layer l runs (run/lookahead.py); 0 is off.
     `disk_read`: how the disk tier reads the checkpoint: "direct" (O_DIRECT, no page cache) or "mmap" (through a
     memory map, the page cache deciding what stays: llama.cpp's way, storage/mapped.py).
     `experts`: how selected experts are computed, "eager" (the class's loop, default) or "grouped" (run/grouped.py).
@@ -166,7 +166,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
                           cache=DeviceCache(cache_policy, cache_bytes) if cache_bytes else None, quant=quant,
                           disk=disk, experts=experts,
                           host_cache=HostCache(cache_policy, host_cache) if host_cache else None,
-                          lookahead=Lookahead(lookahead) if lookahead and disk is not None else None)
+                          lookahead=Lookahead(lookahead) if lookahead and _offloads_experts(plan) else None)
         runtime.attach()
         model.moe_offload_runtime = runtime
         mismatches = audit(model, plan)
@@ -214,3 +214,8 @@ def _load_generation_config(model: nn.Module, folder: Path) -> None:
 
     if (folder / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(folder), local_files_only=True)
+
+
+def _offloads_experts(plan: Plan) -> bool:
+    """Some routed expert is on the host or disk tier: a look-ahead has something to read ahead."""
+    return any(t.role == "routed_expert" and t.tier != Tier.DEVICE for t in plan.tensors)

@@ -104,7 +104,8 @@ def link_bytes_from_routing(plan, runs: Sequence[Run], c: int, *, bf16: bool = F
 
 
 def _lookahead_fields(runs: list[Run], rt) -> dict:
-    """lookahead, lookahead_hits / misses (summed over the measured runs), wasted bytes per token (their mean)."""
+    """lookahead, lookahead_hits / misses (summed over the measured runs), wasted and cancelled bytes per token (their
+    means)."""
     from ..run.lookahead import lookahead_stats
 
     if rt.lookahead is None:
@@ -114,6 +115,8 @@ def _lookahead_fields(runs: list[Run], rt) -> dict:
             "lookahead_hits": sum(s["lookahead_hits"] for s in per_run),
             "lookahead_misses": sum(s["lookahead_misses"] for s in per_run),
             "lookahead_wasted_bytes_per_token": sum(s["lookahead_wasted_bytes_per_token"] for s in per_run) /
+            max(len(per_run), 1),
+            "lookahead_cancelled_bytes_per_token": sum(s["lookahead_cancelled_bytes_per_token"] for s in per_run) /
             max(len(per_run), 1),
             "lookahead_recall": per_run[-1]["lookahead_recall"] if per_run else {}}
 

@@ -41,7 +41,8 @@ class ReplayResult:
     host_cache_bytes: int = 0
     host_cache_hits: int = 0
     host_cache_misses: int = 0
-    # from the trace's `predicted` lists (None without them): look-ahead of disk-tier experts, as run/lookahead.py
+    # from the trace's `predicted` lists (None without them): look-ahead of offloaded experts, as run/lookahead.py;
+    # wasted = every unpicked guess's bytes read in full (the runtime's wasted + cancelled bytes: it stops some)
     lookahead_hits: int | None = None
     lookahead_misses: int | None = None
     lookahead_wasted_bytes_per_token: float | None = None
@@ -62,22 +63,30 @@ class RoutingCost:
     lookahead: tuple[int, int, int] | None = None   # (hits, misses, wasted bytes) with predictions
 
 
-def lookahead_counts(tb: TokenBytes, ids: np.ndarray, predicted: np.ndarray, host_cache_held) -> tuple[int, int, int]:
-    """Look-ahead figures of disk-tier reads: a picked expert read from disk (`host_cache_held` says, per token and
-    layer row, which experts the host cache held when that layer began: those are not read) is a hit when it was
-    predicted; a predicted expert on disk, not held, not picked, is read in vain (its disk bytes wasted)."""
+def lookahead_counts(tb: TokenBytes, predicted: np.ndarray, needed, device_held, host_held) -> tuple[int, int, int]:
+    """Look-ahead figures. `needed(token, layer row)`: the picked experts that layer step read from below the
+    device (the device cache missed them; host-tier bytes over the link, disk-tier bytes from disk unless the host
+    cache hit). A guess is read ahead when the device cache did not hold it as its layer began
+    (`device_held(token, layer row)`: the keys it held then), its disk-tier bytes unless the host cache held it
+    (`host_held`, alike). A needed expert is a hit when it was guessed, else a miss; a guess not picked is read in
+    vain (its bytes wasted)."""
     hits = misses = wasted = 0
-    t, n_layers, _ = ids.shape
+    t, n_layers, _ = predicted.shape
     for i in range(t):
         for row in range(n_layers):
-            disk = tb.expert_disk[row]
-            held = host_cache_held(i, row)
-            picked = {int(e) for e in ids[i, row] if e >= 0 and disk[e] > 0 and (tb.layers[row], int(e)) not in held}
-            guess = {int(e) for e in predicted[i, row] if e >= 0 and disk[e] > 0
-                     and (tb.layers[row], int(e)) not in held}
-            hits += len(picked & guess)
-            misses += len(picked - guess)
-            wasted += int(sum(disk[e] for e in guess - picked))
+            host, disk, layer = tb.expert_host[row], tb.expert_disk[row], tb.layers[row]
+            dev, held = device_held(i, row), host_held(i, row)
+
+            def ahead(e: int) -> int:   # the bytes a guess of e reads ahead
+                if (layer, e) in dev:
+                    return 0
+                return int(host[e]) + (0 if (layer, e) in held else int(disk[e]))
+
+            need = needed(i, row)
+            guess = {int(e) for e in predicted[i, row] if e >= 0 and ahead(int(e))}
+            hits += len(need & guess)
+            misses += len(need - guess)
+            wasted += sum(ahead(e) for e in guess - need)
     return hits, misses, wasted
 
 
@@ -116,14 +125,16 @@ def replay_routing(tb: TokenBytes, ids: np.ndarray, *, cache=None, host_cache=No
     ends = np.searchsorted(tok, np.arange(1, t + 1)).tolist()   # accesses of token i: [ends[i-1], ends[i])
     hit = np.zeros(len(keys), dtype=bool)       # held by the device cache: nothing read
     in_host = np.zeros(len(keys), dtype=bool)   # its disk bytes held by the host cache: read from host memory
-    held: dict[tuple[int, int], set] = {}       # (token, layer row) -> the host cache's keys when that layer began
-    snapshot = host_cache is not None and predicted is not None
+    # (token, layer row) -> the device cache's and the host cache's keys when that layer began (for the look-ahead)
+    held: dict[tuple[int, int], tuple[set, set]] = {}
+    snapshot = (cache is not None or host_cache is not None) and predicted is not None
 
     noted = [-1]                                # the last layer row of this token noted in `held`
 
     def note_held(i: int, upto: int) -> None:   # layer rows up to `upto` not noted yet begin with these contents
-        if upto > noted[0]:
-            now = host_cache.contents()         # one copy per layer reached, not per access
+        if upto > noted[0]:                     # one copy per layer reached, not per access
+            now = (cache.contents() if cache is not None else set(),
+                   host_cache.contents() if host_cache is not None else set())
             for row in range(noted[0] + 1, upto + 1):
                 held[(i, row)] = now
             noted[0] = upto
@@ -153,7 +164,13 @@ def replay_routing(tb: TokenBytes, ids: np.ndarray, *, cache=None, host_cache=No
     reads = int(miss.sum())
     ahead = None
     if predicted is not None:
-        ahead = lookahead_counts(tb, ids, predicted, lambda i, row: held.get((i, row), set()))
+        needed: dict[tuple[int, int], set] = {}   # (token, layer row) -> experts read from below the device
+        below = ~hit & ((host[lay, experts] > 0) | ((disk[lay, experts] > 0) & ~in_host))
+        for j in np.nonzero(below)[0].tolist():
+            needed.setdefault((int(tok[j]), int(lay[j])), set()).add(int(experts[j]))
+        none = (set(), set())
+        ahead = lookahead_counts(tb, predicted, lambda i, row: needed.get((i, row), set()),
+                                 lambda i, row: held.get((i, row), none)[0], lambda i, row: held.get((i, row), none)[1])
     return RoutingCost(t, host_bytes, disk_bytes, reads, int(hit.sum()), ahead)
 
 

@@ -25,7 +25,8 @@ Reads, for one layer step (both backends; the gathered order stays ascending by 
 loop's arithmetic is the model's own):
     resident stack (a split tensor's device experts)  device-local gather, no link bytes
     hit                                               device-local gather from its pages, no link bytes
-    miss                                              read from the host over the link (the counted bytes);
+    miss                                              read from the host over the link (the counted bytes), or
+                                                      taken from the rows the look-ahead copied ahead (lookahead.py);
                                                       when the policy admits it, its row is then copied from
                                                       the staged buffer into its pages (device-local)
     miss of a disk-tier tensor's expert               read below the cache as without it (disk_tier.py: the host
@@ -238,7 +239,7 @@ class DeviceCache(PagedCache):
                 self._claim(key, lay, e)
                 admitted[i] = True
         dev, page, layer = rt.device, self.page_bytes, lay.layer
-        disk_rows = self._disk_misses(rt, state, lay, ids, hit) if any(lay.on_disk) else {}
+        disk_rows, disk_reads = self._disk_misses(rt, state, lay, ids, hit) if any(lay.on_disk) else ({}, [])
         staged = {}
         for t, name in enumerate(lay.names):
             host = disk_rows[name] if lay.on_disk[t] else state.offloaded[name]
@@ -268,7 +269,8 @@ class DeviceCache(PagedCache):
             elif link_pos:
                 rt.counter.add(lay.row_bytes[t] * len(link_pos))    # only misses cross the link
                 where = host.device if host.device == dev else torch.device("cpu")
-                rt.copy_rows(host, _index(link_rows, where), out, positions=_index(link_pos, where))
+                rt.copy_expert_rows(host, _index(link_rows, where), out, _index(link_pos, where), layer=layer,
+                                    name=name, experts=[ids[i] for i in link_pos])   # or the look-ahead's rows
             if cached_rows or admit_rows:
                 out_pages = out.view(-1).view(torch.uint8).view(-1, page)   # [U * k, page_bytes]
                 if cached_rows:
@@ -278,14 +280,19 @@ class DeviceCache(PagedCache):
                     self.arena.index_copy_(0, _index(admit_pages, dev),
                                            out_pages.index_select(0, _index(admit_rows, dev)))
             staged[name] = out
+        if rt.lookahead is not None and rt.decode_step:   # what the guesses saved: the misses read from below
+            host_reads = [e for i, e in enumerate(ids) if not hit[i]
+                          and any(not d and rows[e] is not None for d, rows in zip(lay.on_disk, lay.host_row))]
+            rt.lookahead.end_layer(layer, sorted(set(host_reads) | set(disk_reads)))
         return staged
 
 
     def _disk_misses(self, rt: RunState, state: ExpertsState, lay: _Layer, ids: list[int], hit: list[bool]
-                     ) -> dict[str, torch.Tensor]:
+                     ) -> tuple[dict[str, torch.Tensor], list[int]]:
         """The disk-tier tensors' rows of this step's device-cache misses, in ascending id order: local name ->
-        [misses on disk in that tensor, ...]. Read below the device cache as without it: from the host cache where
-        it holds them, else from the checkpoint (or the rows the look-ahead read), counted there."""
+        [misses on disk in that tensor, ...], and the misses read from disk. Read below the device cache as without
+        it: from the host cache where it holds them, else from the checkpoint (or the rows the look-ahead read),
+        counted there."""
         miss = state.disk_reads([e for i, e in enumerate(ids) if not hit[i]])
         hc = rt.host_cache if rt.host_cache_step and rt.host_cache.serves(lay.layer) else None
         decision = hc.decide(lay.layer, miss) if hc is not None else None
@@ -298,9 +305,7 @@ class DeviceCache(PagedCache):
             rows[name] = rt.disk.stage_experts(rt, state.disk[name], mine, None, key=f"{name}:cache-miss",
                                                cached=None if ti is None else (hc, decision, ti), layer=lay.layer,
                                                lookahead_key=name)
-        if rt.lookahead is not None and rt.decode_step:
-            rt.lookahead.end_layer(lay.layer, state.disk_reads(miss, decision))
-        return rows
+        return rows, state.disk_reads(miss, decision)
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:

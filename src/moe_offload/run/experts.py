@@ -110,7 +110,9 @@ class ExpertsState:
         # A decode step with a device cache reads each selected expert from its cache pages when it holds it
         # (device_cache.py), so even uva's whole host tensors are then gathered rather than read in place.
         cached = rt.cache_step and bool(self.offloaded or self.disk) and rt.cache.serves(self.layer)
-        if rt.backend == "uva" and not self.split and not cached and not self.quant and not self.disk:
+        # With a look-ahead, a decode step gathers too: its predicted experts come from the rows copied ahead.
+        ahead = rt.lookahead is not None and rt.decode_step
+        if rt.backend == "uva" and not self.split and not cached and not self.quant and not self.disk and not ahead:
             # In place: the kernels index each selected expert of the host view. Counting distinct experts
             # needs their number on the host, so it waits for the end of the forward call.
             per_expert = sum(_row_bytes(t) for t in self.offloaded.values())
@@ -130,6 +132,15 @@ class ExpertsState:
         hit = decision.hit if decision is not None else {}
         return [e for e in ids if e in on_disk and not hit.get(e, False)]
 
+    def host_reads(self, ids: list[int]) -> list[int]:
+        """Of `ids`, the experts with a row on the host tier in some tensor (read over the host link unless a device
+        cache holds them)."""
+        on_host = set()
+        for name in self.offloaded:
+            split = self.split.get(name)
+            on_host |= set(split.host_ids) if split is not None else set(ids)
+        return [e for e in ids if e in on_host]
+
     @torch.compiler.disable
     def gather(self, module, top_k_index, cached: bool):
         """The U selected experts gathered into reused buffers, each from the tier that holds it, and the routing
@@ -140,6 +151,9 @@ class ExpertsState:
         # arithmetic); the grouped kernels index the gathered stack with the renumbered ids.
         selected = torch.unique(top_k_index)                     # [U], ascending
         local = torch.searchsorted(selected, top_k_index)       # [T, k] in 0..U-1
+        la = rt.lookahead if rt.lookahead is not None and rt.decode_step else None
+        if la is not None and la.serves(self.layer):             # the guesses not picked are dropped first
+            la.routed(self.layer, selected.tolist())
         on_host: dict[tuple[int, ...], tuple[torch.Tensor, int]] = {}   # host_ids -> (mask [U], count)
         # Through the device cache, every offloaded expert tensor (host and disk tier: device_cache.py reads the disk
         # ones' misses below it); else disk-tier experts from the host cache (host_cache.py) or the checkpoint.
@@ -152,22 +166,23 @@ class ExpertsState:
             t = hc.tensor_index(self.layer, name) if decision is not None else None
             staged[name] = rt.disk.stage_experts(rt, src, selected, self.split.get(name), key=name,
                                                  cached=None if t is None else (hc, decision, t), layer=self.layer)
-        if self.disk and rt.lookahead is not None and rt.decode_step and not cached:   # what the guesses saved
-            rt.lookahead.end_layer(self.layer, self.disk_reads(selected.tolist(), decision))
         for name, t in self.offloaded.items():
             if name in staged:                                  # gathered through the device cache
                 continue
             split = self.split.get(name)
             if split is None:
                 rt.counter.add(_row_bytes(t) * selected.numel())
-                staged[name] = rt.stage_rows(t, selected, key=name)
+                staged[name] = rt.stage_rows(t, selected, key=name, layer=self.layer)
                 continue
             if split.host_ids not in on_host:                   # tensors of one layout share the lookup
                 mask = split.on_host[selected]
                 on_host[split.host_ids] = (mask, int(mask.sum()))
             mask, count = on_host[split.host_ids]
             rt.counter.add(_row_bytes(t) * count)
-            staged[name] = rt.stage_split(split, t, selected, mask, key=name)
+            staged[name] = rt.stage_split(split, t, selected, mask, key=name, layer=self.layer)
+        if la is not None and not cached and (self.disk or self.offloaded):   # what the guesses saved (the device
+            ids = selected.tolist()                                             # cache counts its own misses)
+            la.end_layer(self.layer, sorted(set(self.disk_reads(ids, decision)) | set(self.host_reads(ids))))
         if self.quant:   # the gathered stored bytes -> the selected experts in the compute dtype (quant_weights.py)
             rt.dequantizer.selected_experts(module, self.quant, staged, selected)
         for name, p in module.named_parameters(recurse=False):

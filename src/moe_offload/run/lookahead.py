@@ -1,35 +1,50 @@
-"""Look-ahead: while layer l computes, read the experts layer l + N is predicted to pick, before its router asks.
+"""Look-ahead: while layer l computes, start reading the experts layer l + N is predicted to pick, before its router
+asks.
 
 `load(lookahead=N)` gives the runtime a `Lookahead`. After decoder layer l has run in a decode step, a
 *predictor* guesses the experts of each of the next N layers (l + 1 .. l + N) not yet predicted in this step,
-from l's output hidden state, and the disk-tier experts among them that the host cache does not hold are read
-from the checkpoint on a worker thread (N = 1: each layer predicted from the one before it; a larger N starts
-earlier, from a state further away). When a predicted layer routes, a predicted expert is taken from those rows (the read is already done or in flight); an unpredicted
-one is read then, as without look-ahead. What is computed never changes, only when the bytes are read: the
-tokens are bit-identical, and the host cache sees the very same accesses (its policy, hits and misses are
-those without look-ahead; replay's figures hold).
+from l's output hidden state, and starts reading the predicted experts that are not already where the layer
+will need them (N = 1: each layer predicted from the one before it; a larger N starts earlier, from a state
+further away):
+
+    disk tier   experts the device and host caches do not hold, read from the checkpoint on a worker thread
+                into rows of their own (one job per expert, in the predictor's order)
+    host tier   experts the device cache does not hold, copied to the device into rows of their own: on an
+                accelerator on the runtime's side stream (asynchronous DMA; the layer's stream waits on an
+                event), on a CPU-only machine by a second worker thread (a memcpy off the critical path)
+
+When a predicted layer routes, its unpicked guesses are dropped (`routed`): a disk read not yet started is
+cancelled, one under way stops before its next tensor. A picked expert that was predicted is taken from the
+rows read ahead (`take` / `take_host`: the read is done or in flight, the layer waits for that expert only);
+an unpredicted one is read then, as without look-ahead. What is computed never changes, only when the bytes are
+read: the tokens are bit-identical, and the caches see the very same accesses (their policies, hits and misses
+are those without look-ahead; replay's figures hold). A predicted expert is never put in a cache ahead of its
+use: a wrong guess can then never evict an expert that a later step needs.
+
+Host-tier layers take the gathering path while a look-ahead serves them, uva's in-place reads included (the
+eager loop sees the same rows in the same order: bit-identical, experts.py).
 
 `RouterPredictor`, the default and the one that needs no training (Mixtral-offloading's): layer l + N's own
 router applied to layer l's output after layer l + N's post-attention norm (the router's input is that norm of
 a residual stream one layer later). Any object with `covers(layer) -> bool` and `predict(layer, hidden) ->
 expert ids, most likely first | None` can replace it.
 
-Each predicted expert is one read job on the worker thread, in the predictor's order: a layer that routes waits
-only for the jobs of the experts it picked (`take`), never for a wrong guess's; wrong guesses are read all the
-same (deterministic counts: every predicted disk expert the host cache lacks is read once), in the background,
-and waited for when the forward call ends.
-
 The layers hooked are chosen at attach, by the predictor then in place (`covers`); a predictor set later is asked
 about those layers and returns None for a layer it does not handle.
 
-Accounting (decode steps, per layer with disk-tier experts): `hits` picked experts that had been predicted and
-read ahead, `misses` picked disk experts read on the critical path, `wasted_bytes` predicted rows read and then
-not picked. Needed bytes are counted where they were read (disk) at use, as without look-ahead.
+Accounting (decode steps, per layer with offloaded experts): `hits` picked experts read from below the device
+(host link or disk) that had been predicted and read ahead, `misses` those read on the critical path,
+`wasted_bytes` bytes read ahead for guesses that were not picked, `cancelled_bytes` bytes of such guesses
+dropped before they were read (wasted + cancelled is every unpicked guess's bytes: what `replay` counts as
+wasted from a trace's predictions, which cannot know when a read would have been stopped). Needed bytes are
+counted where they were read (host link, disk) at use, as without look-ahead. Wasted and cancelled bytes depend
+on timing; hits and misses do not.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -75,42 +90,68 @@ def _readable(*mods: nn.Module) -> bool:
 
 @dataclass
 class _Ahead:
-    """Rows read ahead for one layer: expert -> local tensor name -> row, and each expert's read job."""
+    """What was started for one layer step: rows per expert and tensor, and the jobs filling them."""
 
-    rows: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    jobs: dict[int, Future] = field(default_factory=dict)
+    rows: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)   # expert -> local name -> row
+    jobs: dict[int, Future] = field(default_factory=dict)       # disk: expert -> its read job (bytes read)
+    stops: dict[int, threading.Event] = field(default_factory=dict)   # disk: expert -> stop before the next tensor
+    host: dict[str, tuple[torch.Tensor, dict[int, int], object]] = field(default_factory=dict)
+    #     host tier: local name -> (device rows [n, ...], expert -> its row, the job that fills them)
     used: set = field(default_factory=set)
 
 
+class _StreamJob:
+    """Copies queued on an accelerator's side stream: waiting is making the current stream wait (no host sync)."""
+
+    def __init__(self, stream):
+        self.device = stream.device
+        self.event = torch.cuda.Event()
+        self.event.record(stream)
+
+    def result(self) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+
+    def exception(self) -> None:
+        self.result()        # the rows' memory may be handed out again only after the copies into it
+        return None
+
+
 class Lookahead:
-    """Reads predicted disk-tier experts N layers ahead on one worker thread; counts what the guesses saved."""
+    """Starts reading predicted experts N layers ahead (disk: one worker thread; host: side stream or a second
+    worker); counts what the guesses saved."""
 
     def __init__(self, distance: int, predictor=None):
         self.distance = distance
         self.predictor = predictor
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-offload-lookahead")
+        self._copies = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-offload-lookahead-copy")
         self._ahead: dict[int, _Ahead] = {}
-        self._outstanding: list[Future] = []         # wrong guesses' reads, finishing in the background
-        self._disk_layers: dict[int, object] = {}   # layer -> experts.ExpertsState with disk tensors
+        self._outstanding: list[tuple[object, int]] = []   # unpicked guesses' jobs and the bytes each would read
+        self._layers: dict[int, object] = {}    # layer -> experts.ExpertsState with offloaded experts (host or disk)
         self.hits = 0
         self.misses = 0
         self.wasted_bytes = 0
+        self.cancelled_bytes = 0
         self.predicted = 0
         self.per_layer: dict[int, list[int]] = {}    # layer -> [hits, misses]
 
     def attach(self, model: nn.Module, states, handles: list, rt) -> None:
-        """A forward hook on every decoder layer one of whose next N layers has disk-tier experts (handles kept)."""
+        """A forward hook on every decoder layer one of whose next N layers has offloaded experts (handles kept)."""
         if self.predictor is None:
             self.predictor = RouterPredictor(model)
-        self._disk_layers = {s.layer: s for s in states.values() if s.layer is not None and s.disk}
+        self._layers = {s.layer: s for s in states.values() if s.layer is not None and (s.disk or s.offloaded)}
         for name, mod in model.named_modules():
             if layer_prefix(name) != name:
                 continue
             layer = layer_of(name)
             targets = [t for t in range(layer + 1, layer + self.distance + 1)
-                       if t in self._disk_layers and self.predictor.covers(t)]
+                       if t in self._layers and self.predictor.covers(t)]
             if targets:
                 handles.append(mod.register_forward_hook(self._hook(rt, targets)))
+
+    def serves(self, layer: int | None) -> bool:
+        """Rows were read ahead for this layer step: its host-tier experts then take the gathering path."""
+        return layer in self._ahead
 
     def _hook(self, rt, targets: list[int]):
         def post(module, args, output):
@@ -126,12 +167,19 @@ class Lookahead:
         return post
 
     def _start(self, rt, layer: int, ids: list[int]) -> None:
-        state = self._disk_layers[layer]
+        state = self._layers[layer]
+        dc = rt.cache if rt.cache_step and rt.cache.serves(layer) else None
+        below = {e for e in ids if dc is None or (layer, e) not in dc.policy}   # the device cache lacks them
         hc = rt.host_cache if rt.host_cache_step else None
         held = hc.contents() if hc is not None else set()
-        want = [e for e in ids if (layer, e) not in held]
         ahead = _Ahead()
-        self.predicted += len(want)
+        self._start_disk(state, ahead, [e for e in ids if e in below and (layer, e) not in held])
+        self._start_host(rt, state, ahead, [e for e in ids if e in below])
+        self.predicted += len(ahead.rows)
+        if ahead.rows:
+            self._ahead[layer] = ahead
+
+    def _start_disk(self, state, ahead: _Ahead, want: list[int]) -> None:
         reads: dict[int, list] = {}
         for name, src in state.disk.items():
             split = state.split.get(name)
@@ -144,21 +192,72 @@ class Lookahead:
                     reads.setdefault(e, []).append((src, e, buf[j:j + 1]))
         for e in want:                 # the predictor's order: the likeliest expert is read first
             if e in reads:
-                ahead.jobs[e] = self._pool.submit(_read_all, reads[e])
-        if ahead.jobs:
-            self._ahead[layer] = ahead
+                ahead.stops[e] = stop = threading.Event()
+                ahead.jobs[e] = self._pool.submit(_read_all, reads[e], stop)
+
+    def _start_host(self, rt, state, ahead: _Ahead, want: list[int]) -> None:
+        for name, host in state.offloaded.items():
+            split = state.split.get(name)
+            rows = {e: (split.host_ids.index(e) if split is not None else e) for e in want
+                    if split is None or e in split.host_ids}
+            if not rows:
+                continue
+            buf = torch.empty((len(rows), *host.shape[1:]), dtype=host.dtype, device=rt.device)
+            index = torch.tensor(list(rows.values()), dtype=torch.long,
+                                 device=host.device if host.device == rt.device else "cpu")
+            if rt.stream is not None:
+                # The side stream starts after what the layer's stream queued (buf's allocation); the layer's stream
+                # waits on the event before it reads buf, and before buf's memory is handed out again (settle).
+                rt.stream.wait_stream(torch.cuda.current_stream(rt.device))
+                with torch.cuda.stream(rt.stream):
+                    rt.copy_rows(host, index, buf)
+                job = _StreamJob(rt.stream)
+            else:
+                job = self._copies.submit(rt.copy_rows, host, index, buf)
+            slots = {e: j for j, e in enumerate(rows)}
+            ahead.host[name] = (buf, slots, job)
+            for e, j in slots.items():
+                ahead.rows.setdefault(e, {})[name] = buf[j]
+
+    def routed(self, layer: int, picked: list[int]) -> None:
+        """Layer `layer` has routed: its guesses that were not picked are dropped (a read not started is cancelled,
+        one under way stops before its next tensor)."""
+        ahead = self._ahead.get(layer)
+        if ahead is None:
+            return
+        keep = set(picked)
+        for e, job in ahead.jobs.items():
+            if e not in keep:
+                ahead.stops[e].set()
+                job.cancel()
 
     def take(self, layer: int, name: str, expert: int) -> torch.Tensor | None:
-        """The row of `expert` in tensor `name` read ahead for this layer step, or None (read it now)."""
+        """The disk row of `expert` in tensor `name` read ahead for this layer step, or None (read it now)."""
         ahead = self._ahead.get(layer)
-        if ahead is None or expert not in ahead.rows or name not in ahead.rows[expert]:
+        if ahead is None or expert not in ahead.jobs or name not in ahead.rows[expert]:
             return None
         ahead.jobs[expert].result()      # this expert's read only; its CheckpointError is raised here
         ahead.used.add(expert)
         return ahead.rows[expert][name]
 
+    def take_host(self, layer: int, name: str, experts: list[int]) -> tuple[torch.Tensor, dict[int, int]] | None:
+        """(the device rows of host tensor `name` copied ahead for this layer step, expert -> its row) for those of
+        `experts` among them, waited for; None when none of them was copied ahead (copy them now)."""
+        ahead = self._ahead.get(layer)
+        entry = ahead.host.get(name) if ahead is not None else None
+        if entry is None:
+            return None
+        buf, slots, job = entry
+        mine = {e: slots[e] for e in experts if e in slots}
+        if not mine:
+            return None
+        job.result()
+        ahead.used.update(mine)
+        return buf, mine
+
     def end_layer(self, layer: int, needed: list[int]) -> None:
-        """After layer step `layer` read its disk experts `needed` (not in the host cache): count and drop."""
+        """Layer step `layer` read `needed` from below the device (host link or disk; not from the device cache,
+        the host cache or a resident stack): count the hits, hand its unpicked guesses to `settle`."""
         ahead = self._ahead.pop(layer, None)
         counts = self.per_layer.setdefault(layer, [0, 0])
         used = ahead.used if ahead is not None else set()
@@ -168,46 +267,85 @@ class Lookahead:
         self.hits += hit
         self.misses += len(needed) - hit
         if ahead is not None:
-            # wrong guesses: read all the same (their bytes wasted), finishing in the background
-            self._outstanding.extend(job for e, job in ahead.jobs.items() if e not in used)
-            self.wasted_bytes += sum(r.numel() * r.element_size() for e, rows in ahead.rows.items()
-                                     if e not in used for r in rows.values())
+            self._outstanding.extend(_unpicked(ahead))
 
     def settle(self) -> None:
         """A forward call ends (or the next begins): the reads still under way are waited for (a read error
         surfaces here, at the latest) and dropped: no read outlives the call that started it."""
-        pending = self._outstanding + [job for ahead in self._ahead.values() for job in ahead.jobs.values()]
+        pending = self._outstanding + [p for ahead in self._ahead.values() for p in _unpicked(ahead, every=True)]
         self._outstanding, self._ahead = [], {}
-        errors = [job.exception() for job in pending]
-        first = next((e for e in errors if e is not None), None)
+        first = None
+        for job, nbytes in pending:
+            got = _outcome(job)
+            if isinstance(got, BaseException):
+                first = first or got
+                continue
+            done = nbytes if got is None else got      # a host copy: all of it
+            self.wasted_bytes += done
+            self.cancelled_bytes += nbytes - done
         if first is not None:
             raise first
 
     def reset(self) -> None:
-        for job in self._outstanding:
-            job.exception()
+        for job, _ in self._outstanding:
+            _outcome(job)
         self._outstanding.clear()
         self._ahead.clear()
-        self.hits = self.misses = self.wasted_bytes = self.predicted = 0
+        self.hits = self.misses = self.wasted_bytes = self.cancelled_bytes = self.predicted = 0
         self.per_layer.clear()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._copies.shutdown(wait=True)
 
     def stats(self, decode_tokens: int) -> dict:
         recall = {str(layer): h / (h + m) if h + m else None for layer, (h, m) in sorted(self.per_layer.items())}
+        per = (lambda b: b / decode_tokens) if decode_tokens else (lambda b: 0.0)
         return {"lookahead": self.distance, "lookahead_hits": self.hits, "lookahead_misses": self.misses,
-                "lookahead_wasted_bytes_per_token": self.wasted_bytes / decode_tokens if decode_tokens else 0.0,
+                "lookahead_wasted_bytes_per_token": per(self.wasted_bytes),
+                "lookahead_cancelled_bytes_per_token": per(self.cancelled_bytes),
                 "lookahead_recall": recall}
 
 
-def _read_all(reads) -> None:
+def _nbytes(rows: dict[str, torch.Tensor]) -> int:
+    return sum(r.numel() * r.element_size() for r in rows.values())
+
+
+def _unpicked(ahead: _Ahead, every: bool = False) -> list[tuple[object, int]]:
+    """The jobs of guesses this layer step did not use, each with the bytes it would read (`every`: the layer never
+    routed, so every job is unused)."""
+    used = set() if every else ahead.used
+    out = [(job, _nbytes(ahead.rows[e])) for e, job in ahead.jobs.items() if e not in used]
+    for name, (buf, slots, job) in ahead.host.items():
+        vain = [e for e in slots if e not in used]
+        out.append((job, sum(ahead.rows[e][name].numel() * ahead.rows[e][name].element_size() for e in vain)))
+    return out
+
+
+def _outcome(job):
+    """A job's bytes read (disk), None (a host copy: done), or the exception it raised; a cancelled read read 0."""
+    if job.cancelled() if isinstance(job, Future) else False:
+        return 0
+    try:
+        exc = job.exception()
+    except CancelledError:
+        return 0
+    return exc if exc is not None else (job.result() if isinstance(job, Future) else None)
+
+
+def _read_all(reads, stop: threading.Event) -> int:
+    """One predicted expert's rows, tensor by tensor, until told to stop; the bytes read."""
+    done = 0
     for src, expert, buf in reads:
+        if stop.is_set():
+            break
         src.read_rows([expert], buf)
+        done += buf.numel() * buf.element_size()
+    return done
 
 
 def lookahead_stats(la: Lookahead | None, decode_tokens: int) -> dict:
     if la is None:
         return {"lookahead": 0, "lookahead_hits": 0, "lookahead_misses": 0, "lookahead_wasted_bytes_per_token": 0.0,
-                "lookahead_recall": {}}
+                "lookahead_cancelled_bytes_per_token": 0.0, "lookahead_recall": {}}
     return la.stats(decode_tokens)

@@ -163,7 +163,7 @@ class Runtime(RunState):
             self.cache.attach(states, self.device)
         if self.host_cache is not None:
             self.host_cache.attach(states)
-        if self.lookahead is not None and self.disk is not None:
+        if self.lookahead is not None:
             self.lookahead.attach(self.model, states, self.handles, self)
         if experts_modules:
             self.model.set_experts_implementation(EXPERTS_IMPL)

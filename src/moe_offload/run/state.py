@@ -97,7 +97,7 @@ class RunState:
         # The host-memory cache of disk-tier experts (host_cache.HostCache), or None; decode steps only too.
         self.host_cache = host_cache
         self.host_cache_step = False
-        # run/lookahead.Lookahead (predicted disk-tier experts read N layers ahead), or None; decode steps only.
+        # run/lookahead.Lookahead (predicted offloaded experts read N layers ahead), or None; decode steps only.
         self.lookahead = lookahead
         self.decode_step = False  # the call under way is a decode step (one new token per sequence, cache not empty)
         self.step_tokens = 1      # new tokens per sequence of the call under way (1: a decode step)
@@ -129,23 +129,51 @@ class RunState:
         return buf[:need].view(shape)
 
     def stage_split(self, split: ExpertSplit, host: torch.Tensor, selected: torch.Tensor, on_host: torch.Tensor,
-                    *, key: str) -> torch.Tensor:
+                    *, key: str, layer: int | None = None) -> torch.Tensor:
         """Gather the `selected` experts (ascending ids) of a split tensor, in that order: those of the resident
-        stack by a device-local gather (no link bytes), those of the host stack `host` (`on_host`) over the link."""
+        stack by a device-local gather (no link bytes), those of the host stack `host` (`on_host`) over the link
+        (or from the look-ahead's rows of `layer`)."""
         out = self.rows_buffer(key, host, selected.numel())
         rows = split.row[selected]                                   # [U] row of each expert in its stack
         here = (~on_host).nonzero().squeeze(1)                       # positions in `out` of resident experts
         there = on_host.nonzero().squeeze(1)
         out.index_copy_(0, here, split.resident.index_select(0, rows[here]))
-        self.copy_rows(host, rows[there], out, positions=there)
+        self.copy_expert_rows(host, rows[there], out, there, layer=layer, name=key, experts=selected[there])
         return out
 
-    def stage_rows(self, host: torch.Tensor, rows: torch.Tensor, *, key: str) -> torch.Tensor:
+    def stage_rows(self, host: torch.Tensor, rows: torch.Tensor, *, key: str, layer: int | None = None
+                   ) -> torch.Tensor:
         """Copy host[rows] into a reused device buffer, one per `key` (a tensor's local name, so two tensors
-        staged for the same forward never share one) and row shape, shared by all layers (they run in turn)."""
+        staged for the same forward never share one) and row shape, shared by all layers (they run in turn).
+        `layer`: the rows are that layer's experts (row = expert id), some perhaps copied ahead by the look-ahead."""
         out = self.rows_buffer(key, host, rows.numel())
-        self.copy_rows(host, rows, out)
+        self.copy_expert_rows(host, rows, out, None, layer=layer, name=key, experts=rows)
         return out
+
+    def copy_expert_rows(self, host: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
+                         positions: torch.Tensor | None, *, layer: int | None, name: str,
+                         experts: torch.Tensor | list[int]) -> None:
+        """copy_rows of routed experts (`experts[i]`: the expert in host row rows[i]) of `layer`'s tensor `name`: those
+        the look-ahead copied to the device for this layer step come from its rows (device-local), the rest from
+        `host` (copy_rows). Same values in the same places either way."""
+        la = self.lookahead if self.decode_step and layer is not None else None
+        got = None
+        if la is not None and la.serves(layer):
+            experts = experts.tolist() if isinstance(experts, torch.Tensor) else list(experts)
+            got = la.take_host(layer, name, experts)
+        if got is None:
+            self.copy_rows(host, rows, out, positions)
+            return
+        buf, slots = got
+        pos = list(range(len(experts))) if positions is None else positions.tolist()
+        mine = [i for i, e in enumerate(experts) if e in slots]
+        rest = [i for i, e in enumerate(experts) if e not in slots]
+        out.index_copy_(0, torch.tensor([pos[i] for i in mine], device=out.device),
+                        buf.index_select(0, torch.tensor([slots[experts[i]] for i in mine], device=buf.device)))
+        if rest:
+            where = rows.device
+            self.copy_rows(host, rows[torch.tensor(rest, device=where)], out,
+                           positions=torch.tensor([pos[i] for i in rest], device=where))
 
     def copy_rows(self, host: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
                   positions: torch.Tensor | None = None) -> None:
