@@ -30,6 +30,13 @@ def _has_disk(label, plan, rt, checks: Checks) -> None:
                  f"{rt.disk.mechanism if rt.disk is not None else 'no disk tier'}")
 
 
+def _looks_ahead(label, plan, rt, checks: Checks) -> None:
+    # CPU (the dry run): no side stream, the copies go to a worker thread
+    checks.check(f"{label}: the runtime looks ahead and copies host-tier experts on its side stream",
+                 rt.lookahead is not None and (rt.stream is not None or rt.device.type == "cpu"),
+                 f"lookahead {getattr(rt.lookahead, 'distance', None)}, side stream {rt.stream}")
+
+
 def _is_quantized(label, plan, rt, checks: Checks) -> None:
     checks.check(f"{label}: the runtime holds quantized tensors and dequantizes on the device",
                  bool(rt.quant) and rt.dequantizer is not None, f"{len(rt.quant)} quantized tensors")
@@ -71,6 +78,14 @@ def bf16_cases(folder: Path, half_gb: float, total: int, tmp: Path, args, dev, g
     for backend, policy in (("uva", "heat"), ("prefetch", "lru")):
         cases.append(dict(label=f"cache-{policy}/{backend}", kind=f"cache-{backend}", backend=backend,
                           load=dict(cache_gb=cache_gb, cache_policy=policy, **half)))
+    # Look-ahead (issue 18): predicted host-tier experts copied to the device on the side stream before their
+    # router asks; the tokens, link bytes and cache counts must be those without it.
+    for backend in ("uva", "prefetch"):
+        cases.append(dict(label=f"lookahead/{backend}", kind=f"lookahead-{backend}", backend=backend,
+                          load=dict(lookahead=1, **half), plan_checks=(_looks_ahead,)))
+    cases.append(dict(label="lookahead-cache-lru/prefetch", kind="lookahead-cache-prefetch", backend="prefetch",
+                      load=dict(lookahead=1, cache_gb=cache_gb, cache_policy="lru", **half),
+                      plan_checks=(_looks_ahead,)))
     on_disk = disk_plan(moe_offload.plan(folder, **half))
     for backend in ("uva", "prefetch"):
         cases.append(dict(label=f"disk/{backend}", kind=f"disk-{backend}", backend=backend, load=dict(plan=on_disk),

@@ -27,8 +27,8 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: "Plan | st
     nothing offloaded and experts="grouped").
     `host_cache_gb`: a host-memory cache of that many GiB for the routed experts the plan leaves on disk (the same
     `cache_policy`), carved out of host_memory_gb (CPU-only: out of reserve_gb); `...runtime.host_cache.stats()`.
-    `lookahead`: N > 0 reads the disk-tier experts layer l + N is predicted to pick (its router on layer l's
-    output) while layer l runs; tokens unchanged (`...runtime.lookahead.stats(tokens)`).
+    `lookahead`: N > 0 starts reading the offloaded experts (disk and host tier) layer l + N is predicted to pick
+    (its router on layer l's output) while layer l runs; tokens unchanged (`...runtime.lookahead.stats(tokens)`).
     `disk_read`: "direct" (default: O_DIRECT, our caches decide) or "mmap" (the page cache decides, as llama.cpp).
     """
     from .loading.loader import load as _load
