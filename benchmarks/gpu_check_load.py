@@ -222,6 +222,10 @@ def run_case(case: dict, folder: Path, ids, args, dev, checks: Checks, slack: in
         with torch.no_grad():
             out["prefill_logits"] = model(ids).logits[0, -1].float().cpu()
         out["tokens"] = _generate(model, ids, args.check_tokens)[0, ids.shape[1]:].tolist()
+        if rt.lookahead is not None:   # its tokens are compared with the resident run's like every load's
+            out["lookahead"] = rt.lookahead.stats(args.check_tokens - 1)
+            checks.check(f"{label}: picked experts were taken from rows copied ahead (look-ahead hits > 0)",
+                         rt.lookahead.hits > 0, f"{rt.lookahead.hits} hits, {rt.lookahead.misses} misses")
         audit = moe_offload.audit(model, plan)
         checks.check(f"{label}: audit empty after generate", not audit, f"first {audit[:2]}" if audit else "")
         out["device_bytes_after_generate"] = _memory(label, "after generate", model, plan, rt, dev, before, slack,

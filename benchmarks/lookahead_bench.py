@@ -153,15 +153,15 @@ def analysis(res: dict, d: dict) -> list[str]:
         out.append(f"- (c) adds look-ahead 1: {c['lookahead_hits']} hits / {c['lookahead_misses']} misses "
                    f"(recall {c['lookahead_hits'] / max(1, c['lookahead_hits'] + c['lookahead_misses']):.0%} of the "
                    f"host-cache misses), {c['lookahead_wasted_bytes_per_token'] / mib:.0f} MiB/token read for wrong "
-                   f"guesses, {c['lookahead_take_ms_per_token']:.0f} ms/token waiting in Lookahead.take: "
+                   f"guesses and {c.get('lookahead_cancelled_bytes_per_token', 0) / mib:.0f} MiB/token of them dropped "
+                   f"unread, {c['lookahead_take_ms_per_token']:.0f} ms/token waiting in Lookahead.take: "
                    f"{c['itl_mean_ms']:.0f} ms/token against (b)'s {b['itl_mean_ms']:.0f}. Why, in this disk-bound "
                    "regime: the guess for layer t is made from layer t-1's output, so its read starts as layer t is "
-                   "about to route (the window is layer t's attention, ~nothing here); the guesses are read one job "
-                   "each on one worker in the router's order, so a picked expert can wait behind a wrong guess's "
-                   "read of the same file (O_DIRECT reads of one file run in turn); and every wrong guess is read "
-                   "and settled before the step ends: the disk time of the wasted bytes is added to the step. "
-                   + (f"N = 2 (c') gives a window of one layer but reads "
-                   f"{by['c2']['lookahead_wasted_bytes_per_token'] / mib:.0f} MiB/token of wrong guesses: "
+                   "about to route (the window is layer t's attention, ~nothing here); when layer t routes, its "
+                   "unpicked guesses still queued are cancelled, but the one under way finishes its current tensor "
+                   "(16 MiB here) while the picked experts wait for the disk (O_DIRECT reads of one file run in turn). "
+                   + (f"N = 2 (c') gives a window of one layer but guesses worse: "
+                   f"{by['c2']['lookahead_wasted_bytes_per_token'] / mib:.0f} MiB/token read in vain, "
                    f"{by['c2']['itl_mean_ms']:.0f} ms/token." if "c2" in by else ""))
     pl = res["prediction"]["per_layer"]
     pre = [v.get("recall_pre") for v in pl.values() if v.get("recall_pre") is not None]
@@ -239,7 +239,7 @@ def report(res: dict) -> str:
            f"({1e3 / d['compute_floor_ms']:.2f} tok/s; peak RSS {res['resident']['peak_rss_bytes'] / GiB:.2f} GiB).", ""]
     t2 = _table(md, f"2. disk-bound decode, {res['limit_bytes'] / GiB:g} GiB cgroup, cold page cache",
                 ("arm", "decode tok/s (mean / p50)", "ms/token", "disk MiB/token (counted / /proc io)", "host-cache hit rate",
-                 "look-ahead hits / misses, wasted MiB/token", "expert staging ms/token (look-ahead takes)", "peak RSS GiB",
+                 "look-ahead hits / misses, wasted / cancelled MiB/token", "expert staging ms/token (look-ahead takes)", "peak RSS GiB",
                  "cgroup max GiB (failcnt, OOM kills)", "disk floor ms (1 / 4 in flight)", "same tokens"))
     for r in res["rows"]:
         if "error" in r:
@@ -251,7 +251,7 @@ def report(res: dict) -> str:
                      f"{r['proc_io_read_bytes_per_token'] / mib:.0f}",
                      _f(r.get("host_cache_hit_rate"), "{:.0%}"),
                      (f"{r['lookahead_hits']} / {r['lookahead_misses']}, {r['lookahead_wasted_bytes_per_token'] / mib:.0f}"
-                      if r.get("lookahead") else "-"),
+                      f" / {r.get('lookahead_cancelled_bytes_per_token', 0) / mib:.0f}" if r.get("lookahead") else "-"),
                      (f"{r['stage_ms_per_token']:.0f} ({r['lookahead_take_ms_per_token']:.0f})"
                       if "stage_ms_per_token" in r else "-"),
                      f"{r['peak_rss_bytes'] / GiB:.2f}",

@@ -101,10 +101,14 @@ class _Ahead:
 
 
 class _StreamJob:
-    """Copies queued on an accelerator's side stream: waiting is making the current stream wait (no host sync)."""
+    """Copies queued on an accelerator's side stream: waiting is making the current stream wait (no host sync).
 
-    def __init__(self, stream):
+    It holds the rows it fills (`rows`) until it is waited for: memory freed while the side stream still writes it
+    could be handed to the layer's stream by the caching allocator. (A worker thread's job holds its arguments.)"""
+
+    def __init__(self, stream, rows: torch.Tensor):
         self.device = stream.device
+        self.rows = rows
         self.event = torch.cuda.Event()
         self.event.record(stream)
 
@@ -211,7 +215,7 @@ class Lookahead:
                 rt.stream.wait_stream(torch.cuda.current_stream(rt.device))
                 with torch.cuda.stream(rt.stream):
                     rt.copy_rows(host, index, buf)
-                job = _StreamJob(rt.stream)
+                job = _StreamJob(rt.stream, buf)
             else:
                 job = self._copies.submit(rt.copy_rows, host, index, buf)
             slots = {e: j for j, e in enumerate(rows)}
