@@ -30,6 +30,7 @@ import pytest
 import torch
 
 import moe_offload as mo
+from fixtures_lookahead import Replay, generate, routing
 from fixtures_models import BACKENDS, load, prompt_ids
 from moe_offload.errors import CheckpointError, MoeOffloadError
 from moe_offload.planning.placement import GiB, Tier
@@ -86,20 +87,6 @@ def test_the_plans_hold_whole_and_split_disk_tensors(plans):
     assert len(split) == 2 * LAYERS and all(_is_split(t) for t in split)
 
 
-def generate(model, ids, new_tokens: int = NEW):
-    """(greedy tokens, per-step logits), EOS ignored so that every step decodes."""
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                             eos_token_id=[], pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    return out.sequences, torch.cat(out.logits)
-
-
-def _routing(rt) -> list:
-    calls = []
-    rt.recorder = calls.append
-    return calls
-
-
 def _disk_reads(calls, layers) -> int:
     """(layer step, expert) reads of decode steps, every routed expert of `layers` on disk whole."""
     return sum(torch.unique(c.experts[layer]).numel() for c in calls if c.decode for layer in layers)
@@ -151,7 +138,7 @@ def test_hits_and_misses_are_the_decode_steps_disk_reads(folder, plans, n):
             return inner.predict(layer, hidden)
 
     rt.lookahead.predictor = Spy()
-    calls = _routing(rt)
+    calls = routing(rt)
     rt.disk_counter.reset()
     generate(model, prompt_ids(folder, 8))
     reads = _disk_reads(calls, range(LAYERS))
@@ -168,37 +155,18 @@ def test_hits_and_misses_are_the_decode_steps_disk_reads(folder, plans, n):
     assert set(stats["lookahead_recall"]) == {str(layer) for layer in range(LAYERS)}
 
 
-class Replay:
-    """Predicts, for each decode step, the experts a recorded run picked (or, `invert`, exactly the others)."""
-
-    def __init__(self, recorded, rt, invert=False):
-        self.steps = [c.experts for c in recorded if c.decode]
-        self.seen = _routing(rt)       # this run's calls so far: the step under way is the next decode one
-        self.invert = invert
-        self.asked = 0
-
-    def covers(self, layer):
-        return layer > 0
-
-    def predict(self, layer, hidden):
-        step = sum(1 for c in self.seen if c.decode)
-        picked = set(torch.unique(self.steps[step][layer]).tolist())
-        self.asked += 1
-        return sorted(set(range(E)) - picked) if self.invert else sorted(picked)
-
-
 @pytest.mark.parametrize("n", [1, 3])
 def test_a_perfect_predictor_hits_every_read_and_a_wrong_one_none(folder, plans, n):
     ids = prompt_ids(folder, 8)
     # mmap: the readers count exactly the bytes asked (no O_DIRECT alignment), wasted reads included
     model, _ = load(folder, plan=plans["late"], lookahead=n, disk_read="mmap")
     rt, la = model.moe_offload_runtime, model.moe_offload_runtime.lookahead
-    recorded = _routing(rt)
+    recorded = routing(rt)
     want = generate(model, ids)
     reads = _disk_reads(recorded, range(1, LAYERS))
 
     la.reset()
-    la.predictor = perfect = Replay(recorded, rt)
+    la.predictor = perfect = Replay(recorded, rt, E)
     before = rt.disk.bytes_read
     got = generate(model, ids)
     assert perfect.asked > 0 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -208,7 +176,7 @@ def test_a_perfect_predictor_hits_every_read_and_a_wrong_one_none(folder, plans,
     exact = rt.disk.bytes_read - before            # prefill + decode reads, nothing extra
 
     la.reset()
-    la.predictor = wrong = Replay(recorded, rt, invert=True)
+    la.predictor = wrong = Replay(recorded, rt, E, invert=True)
     before = rt.disk.bytes_read
     got = generate(model, ids)
     assert wrong.asked > 0 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -222,7 +190,7 @@ def test_a_perfect_predictor_hits_every_read_and_a_wrong_one_none(folder, plans,
 def test_a_prefill_starts_no_lookahead_read(folder, plans):
     model, _ = load(folder, plan=plans["all"], lookahead=2)
     rt, la = model.moe_offload_runtime, model.moe_offload_runtime.lookahead
-    calls = _routing(rt)
+    calls = routing(rt)
     ids = prompt_ids(folder, 8)
     with torch.no_grad():
         model(input_ids=ids, use_cache=True)                           # no cache given
@@ -265,18 +233,18 @@ def test_unpicked_guesses_not_yet_read_are_cancelled(folder, plans):
     ids = prompt_ids(folder, 8)
     model, _ = load(folder, plan=plans["late"], lookahead=1, disk_read="mmap")
     rt, la = model.moe_offload_runtime, model.moe_offload_runtime.lookahead
-    recorded = _routing(rt)
+    recorded = routing(rt)
     want = generate(model, ids)
     reads = _disk_reads(recorded, range(1, LAYERS))
     la.reset()
-    la.predictor = Replay(recorded, rt)      # right guesses only: the disk delivers the needed bytes, nothing more
+    la.predictor = Replay(recorded, rt, E)      # right guesses only: the disk delivers the needed bytes, nothing more
     before = rt.disk.bytes_read
     generate(model, ids)
     exact = rt.disk.bytes_read - before
     assert la.wasted_bytes == la.cancelled_bytes == 0
 
     la.reset()
-    la.predictor = Replay(recorded, rt, invert=True)
+    la.predictor = Replay(recorded, rt, E, invert=True)
     import threading
     gate = threading.Event()
     held = la._pool.submit(gate.wait)       # the worker waits until the generation is over

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import moe_offload as mo
+from fixtures_lookahead import Replay, generate, routing
 from fixtures_models import BACKENDS, load, prompt_ids
 from moe_offload.formats.traces import TraceWriter, read_trace
 from moe_offload.loading.loader import load_tokenizer
@@ -66,20 +67,6 @@ def _plan(folder, kind: str):
 @pytest.fixture(scope="module")
 def plans(folder):
     return {k: _plan(folder, k) for k in ("host", "split", "mixed")}
-
-
-def generate(model, ids, new_tokens: int = NEW):
-    """(greedy tokens, per-step logits), EOS ignored so that every step decodes."""
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                             eos_token_id=[], pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    return out.sequences, torch.cat(out.logits)
-
-
-def _routing(rt) -> list:
-    calls = []
-    rt.recorder = calls.append
-    return calls
 
 
 def test_the_plans_put_experts_where_the_docstring_says(plans):
@@ -124,43 +111,26 @@ def test_outputs_and_bytes_equal_lookahead_0(folder, plans, kind, backend, cache
         assert seen[0][3][0] > 0 and seen[0][3][1] > 0      # both paths of the device cache were taken
 
 
-class Replay:
-    """Predicts, for each decode step, the experts a recorded run picked (or, `invert`, exactly the others)."""
-
-    def __init__(self, recorded, rt, invert=False):
-        self.steps = [c.experts for c in recorded if c.decode]
-        self.seen = _routing(rt)
-        self.invert = invert
-
-    def covers(self, layer):
-        return layer > 0
-
-    def predict(self, layer, hidden):
-        step = sum(1 for c in self.seen if c.decode)
-        picked = set(torch.unique(self.steps[step][layer]).tolist())
-        return sorted(set(range(E)) - picked) if self.invert else sorted(picked)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_perfect_predictor_copies_every_read_ahead_and_a_wrong_one_none(folder, plans, backend):
     ids = prompt_ids(folder, 8)
     model, _ = load(folder, plan=plans["host"], backend=backend, lookahead=1)
     rt, la = model.moe_offload_runtime, model.moe_offload_runtime.lookahead
-    recorded = _routing(rt)
+    recorded = routing(rt)
     want = generate(model, ids)
     # host reads of the decode steps: every selected expert of layers 1-3 (whole host tensors, no cache)
     reads = sum(torch.unique(c.experts[layer]).numel() for c in recorded if c.decode for layer in range(1, LAYERS))
     assert la.hits + la.misses == reads and la.per_layer[1][0] + la.per_layer[1][1] > 0
 
     la.reset()
-    la.predictor = Replay(recorded, rt)
+    la.predictor = Replay(recorded, rt, E)
     got = generate(model, ids)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert (la.hits, la.misses, la.wasted_bytes, la.cancelled_bytes) == (reads, 0, 0, 0), la.stats(NEW - 1)
     assert la.predicted == reads
 
     la.reset()
-    la.predictor = Replay(recorded, rt, invert=True)
+    la.predictor = Replay(recorded, rt, E, invert=True)
     got = generate(model, ids)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert (la.hits, la.misses) == (0, reads)
@@ -174,7 +144,7 @@ def test_with_a_device_cache_only_its_misses_are_predicted_reads(folder, plans):
     ids = prompt_ids(folder, 8)
     model, _ = load(folder, plan=plans["host"], lookahead=1, cache_gb=(LAYERS - 1) * E * EXPERT / GiB)
     rt, la = model.moe_offload_runtime, model.moe_offload_runtime.lookahead
-    recorded = _routing(rt)
+    recorded = routing(rt)
     la.predictor = Every = type("Every", (), {"covers": lambda self, layer: layer > 0,
                                               "predict": lambda self, layer, hidden: list(range(E))})()
     generate(model, ids)
