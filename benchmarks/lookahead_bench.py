@@ -49,6 +49,8 @@ def arm_specs(cfg: dict, model: Path, ids: list[int]) -> list[dict]:
             dict(common, key="b", label="(b) + host cache", reserve_gb=r0 + h, host_cache_gb=h),
             dict(common, key="c", label="(c) + host cache + lookahead 1", reserve_gb=r0 + h, host_cache_gb=h, lookahead=1),
             dict(common, key="c2", label="(c') + host cache + lookahead 2", reserve_gb=r0 + h, host_cache_gb=h, lookahead=2),
+            dict(common, key="c3", label="(c'') + host cache + lookahead 1 from attention", reserve_gb=r0 + h,
+                 host_cache_gb=h, lookahead=1, lookahead_from="attention"),
             dict(common, key="d", label="(d) disk reads via mmap", reserve_gb=r0 + h, disk_read="mmap")]
 
 
@@ -162,7 +164,12 @@ def analysis(res: dict, d: dict) -> list[str]:
                    "(16 MiB here) while the picked experts wait for the disk (O_DIRECT reads of one file run in turn). "
                    + (f"N = 2 (c') gives a window of one layer but guesses worse: "
                    f"{by['c2']['lookahead_wasted_bytes_per_token'] / mib:.0f} MiB/token read in vain, "
-                   f"{by['c2']['itl_mean_ms']:.0f} ms/token." if "c2" in by else ""))
+                   f"{by['c2']['itl_mean_ms']:.0f} ms/token. " if "c2" in by else "")
+                   + (f"Guessing from layer t-1's residual after attention (c'', `lookahead_from=\"attention\"`: a "
+                      f"window of layer t-1's whole expert step) reads {by['c3']['lookahead_wasted_bytes_per_token'] / mib:.0f} "
+                      f"MiB/token in vain ({by['c3']['lookahead_hits']} hits / {by['c3']['lookahead_misses']} misses): "
+                      f"{by['c3']['itl_mean_ms']:.0f} ms/token; a longer window lets more wrong guesses finish before "
+                      "their layer routes, and the disk has no idle time for them." if "c3" in by else ""))
     pl = res["prediction"]["per_layer"]
     pre = [v.get("recall_pre") for v in pl.values() if v.get("recall_pre") is not None]
     n1 = [v["recall"] for v in pl.values() if v["recall"] is not None]

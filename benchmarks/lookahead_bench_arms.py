@@ -293,7 +293,8 @@ def child(spec: dict) -> dict:
     else:
         plan = disk_plan(folder, spec["budget_gb"], spec["reserve_gb"])
         model, plan = load(folder, device="cpu", plan=plan, host_cache_gb=spec.get("host_cache_gb"),
-                           lookahead=spec.get("lookahead", 0), disk_read=spec.get("disk_read", "direct"))
+                           lookahead=spec.get("lookahead", 0), lookahead_from=spec.get("lookahead_from", "output"),
+                           disk_read=spec.get("disk_read", "direct"))
     load_s = time.perf_counter() - t0
     rt = model.moe_offload_runtime
     routed = []

@@ -13,7 +13,7 @@ from .planning.placement import Plan
 def load(model_dir, *, device=None, backend: str | None = None, plan: "Plan | str | None" = None,
          dtype: str | None = None, progress: bool = False, cache_gb: float | None = None,
          cache_policy: str | None = None, experts: str | None = None, host_cache_gb: float | None = None,
-         lookahead: int = 0, disk_read: str = "direct", **budget):
+         lookahead: int = 0, lookahead_from: str = "output", disk_read: str = "direct", **budget):
     """Build a model from a local checkpoint straight into its plan; returns (model, plan).
 
     Budget options as for `plan` (offload_gb, device_memory_gb, reserve_gb, host_memory_gb,
@@ -29,13 +29,16 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: "Plan | st
     `cache_policy`), carved out of host_memory_gb (CPU-only: out of reserve_gb); `...runtime.host_cache.stats()`.
     `lookahead`: N > 0 starts reading the offloaded experts (disk and host tier) layer l + N is predicted to pick
     (its router on layer l's output) while layer l runs; tokens unchanged (`...runtime.lookahead.stats(tokens)`).
+    `lookahead_from`: "output" (default) or "attention" (guesses from layer l's residual after attention, before its
+    MoE: a whole expert step earlier, a worse guess).
     `disk_read`: "direct" (default: O_DIRECT, our caches decide) or "mmap" (the page cache decides, as llama.cpp).
     """
     from .loading.loader import load as _load
 
     return _load(model_dir, device=device, backend=backend, plan=plan, dtype=dtype, progress=progress,
                  cache_gb=cache_gb, cache_policy=cache_policy, experts=experts,
-                 host_cache_gb=host_cache_gb, lookahead=lookahead, disk_read=disk_read, **budget)
+                 host_cache_gb=host_cache_gb, lookahead=lookahead, lookahead_from=lookahead_from,
+                 disk_read=disk_read, **budget)
 
 
 def transform_weights(model, fn, *, names=None):

@@ -61,6 +61,10 @@ def test_generate_reports_the_lookahead_and_the_same_tokens(capsys, model_dir, b
     assert recall.get("0") in (0, None)            # layer 0 has no earlier layer to predict it from
     two = _generate(capsys, model_dir, budget, "--lookahead", 2)
     assert two["lookahead"] == 2 and two["token_ids"] == off["token_ids"]
+    early = _generate(capsys, model_dir, budget, "--lookahead", 1, "--lookahead-from", "attention")
+    assert early["token_ids"] == off["token_ids"] and early["disk_read_bytes_per_token"] == off["disk_read_bytes_per_token"]
+    assert (early["lookahead_from"], on["lookahead_from"], off["lookahead_from"]) == ("attention", "output", None)
+    assert early["lookahead_hits"] + early["lookahead_misses"] > 0
 
 
 def test_disk_read_mmap_gives_the_same_tokens_and_bytes(capsys, model_dir, budget):

@@ -290,3 +290,46 @@ def test_a_lookahead_read_of_a_truncated_checkpoint_is_raised_where_the_row_is_n
     # forward call settles its reads (settle): raised by a forward either way, never swallowed
     assert {("lookahead.py", "take"), ("lookahead.py", "settle")} & frames, frames
     assert ("lookahead.py", "_read_all") in frames, frames          # the worker's read raised it
+
+
+@pytest.mark.exact
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_guesses_from_the_residual_after_attention_change_nothing_but_when(folder, plans, backend):
+    """lookahead_from="attention": layer l + 1 guessed from layer l's residual before its MoE (a pre-hook on its
+    post-attention norm), a whole expert step earlier; same tokens, logits and disk bytes, and guesses are used."""
+    ids = prompt_ids(folder, 8)
+    ref, _ = load(folder, plan=plans["budget"], backend=backend)
+    want, calls0 = generate(ref, ids), list(ref.moe_offload_runtime.disk_counter.calls)
+    model, _ = load(folder, plan=plans["budget"], backend=backend, lookahead=1, lookahead_from="attention")
+    rt = model.moe_offload_runtime
+    asked = []
+    inner = rt.lookahead.predictor
+
+    class Spy:   # which hidden state each guess is made from: the residual, before layer l's MoE adds to it
+        def covers(self, layer):
+            return inner.covers(layer)
+
+        def predict(self, layer, hidden):
+            asked.append((layer, hidden.clone()))
+            return inner.predict(layer, hidden)
+
+    rt.lookahead.predictor = Spy()
+    got = generate(model, ids)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert list(rt.disk_counter.calls) == calls0
+    assert rt.lookahead.source == "attention" and rt.lookahead.hits > 0
+    assert asked and {layer for layer, _ in asked} <= set(range(1, LAYERS))
+    # the pre-MoE residual differs from the layer's output (the MoE adds to it): the hook is not the output hook
+    seen = []
+    hook = model.model.layers[0].register_forward_hook(lambda m, a, out: seen.append(out[0] if isinstance(out, tuple)
+                                                                                      else out))
+    asked.clear()
+    generate(model, ids, new_tokens=2)
+    hook.remove()
+    first = next(h for layer, h in asked if layer == 1)
+    assert first.shape == seen[-1].shape and not torch.equal(first, seen[-1])
+
+
+def test_an_unknown_guess_source_is_refused(folder, plans):
+    with pytest.raises(MoeOffloadError, match="lookahead_from"):
+        load(folder, plan=plans["all"], lookahead=1, lookahead_from="input")

@@ -92,6 +92,10 @@ def _runtime_options(p: argparse.ArgumentParser) -> None:
                    help="while layer l runs, start reading the offloaded experts layer l+N is predicted to pick (its "
                         "router on layer l's output): disk-tier ones on a worker thread, host-tier ones to the device "
                         "(side stream; CPU-only, a worker thread); tokens unchanged (default 0: off)")
+    p.add_argument("--lookahead-from", choices=["output", "attention"], default="output",
+                   help="with --lookahead: guess from layer l's output (default: the better guess, made just before "
+                        "layer l+1 routes) or from its residual after attention (a whole expert step earlier, a worse "
+                        "guess)")
     p.add_argument("--disk-read", choices=["direct", "mmap"], default="direct",
                    help="how the disk tier reads the checkpoint: direct (default: O_DIRECT, the page cache "
                         "bypassed, our caches decide) or mmap (a memory map: the page cache decides, as llama.cpp)")

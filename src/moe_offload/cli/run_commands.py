@@ -40,7 +40,7 @@ def load_for_cli(args, **extra):
                        progress=not getattr(args, "json", False) and sys.stderr.isatty(), **placement,
                        cache_gb=args.cache_gb, cache_policy=args.cache_policy, experts=args.experts,
                        host_cache_gb=args.host_cache_gb, lookahead=args.lookahead,
-                       disk_read=args.disk_read, **extra)
+                       lookahead_from=args.lookahead_from, disk_read=args.disk_read, **extra)
     return model, plan, tokenizer
 
 
@@ -179,7 +179,8 @@ def cmd_bench(args) -> int:
                      same_prompt=args.same_prompt, link_gbps=args.link_gbps, threads=args.threads,
                      cache_gb=args.cache_gb, cache_policy=args.cache_policy, stats=routing_stats(args.stats),
                      plan=plan, progress=sys.stderr.isatty(), experts=args.experts, compile=args.compile,
-                     host_cache_gb=args.host_cache_gb, lookahead=args.lookahead, disk_read=args.disk_read)
+                     host_cache_gb=args.host_cache_gb, lookahead=args.lookahead,
+                     lookahead_from=args.lookahead_from, disk_read=args.disk_read)
     to_stdout = args.json == "-"
     print_table(rows, Console(stderr=True) if to_stdout else None)  # stdout holds only the JSON with --json -
     # Both outputs or neither: the plot (the one that can fail on content) first, then the JSON.

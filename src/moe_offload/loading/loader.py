@@ -63,7 +63,7 @@ def _parameters_on_meta():
 def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str | Path | None = None,
          dtype: str | None = None, progress: bool = False, cache_gb: float | None = None,
          cache_policy: str | None = None, experts: str | None = None, host_cache_gb: float | None = None,
-         lookahead: int = 0, disk_read: str = "direct", **budget):
+         lookahead: int = 0, lookahead_from: str = "output", disk_read: str = "direct", **budget):
     """Build, load and attach a runtime. Returns (model, plan).
 
     `budget`: offload_gb, device_memory_gb, reserve_gb, policy, offload_params, batch (as `moe_offload.plan`).
@@ -73,7 +73,8 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     `host_cache_gb`: a host-memory cache of that many GiB for disk-tier routed experts (host_cache.py), under the
     same `cache_policy`, carved out of host_memory_gb (or, CPU-only, out of reserve_gb).
     `lookahead`: N > 0 starts reading the offloaded experts (disk tier and host tier) layer l + N is predicted to
-    pick while layer l runs (run/lookahead.py); 0 is off.
+    pick while layer l runs (run/lookahead.py); 0 is off. `lookahead_from`: the hidden state guesses are made from,
+    "output" (layer l's) or "attention" (layer l's residual after attention, before its MoE).
     `disk_read`: how the disk tier reads the checkpoint: "direct" (O_DIRECT, no page cache) or "mmap" (through a
     memory map, the page cache deciding what stays: llama.cpp's way, storage/mapped.py).
     `experts`: how selected experts are computed, "eager" (the class's loop, default) or "grouped" (run/grouped.py).
@@ -81,7 +82,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     from ..run.auditor import audit
     from ..run.grouped import ExpertsMode, check_kernels, experts_mode
     from ..run.host_cache import HostCache, carve, host_cache_bytes
-    from ..run.lookahead import Lookahead
+    from ..run.lookahead import SOURCES, Lookahead
     from ..storage.mapped import MODES
     from ..errors import AuditError
     from ..run.runtime import BACKENDS, Runtime
@@ -110,6 +111,8 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
         raise MoeOffloadError(f"disk_read={disk_read!r}: use {' or '.join(MODES)}")
     if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
         raise MoeOffloadError(f"lookahead={lookahead!r}: give a whole number of layers ahead, 0 for off")
+    if lookahead_from not in SOURCES:
+        raise MoeOffloadError(f"lookahead_from={lookahead_from!r}: use {' or '.join(SOURCES)}")
 
     source = "the plan"
     if isinstance(plan, (str, Path)):
@@ -166,7 +169,8 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
                           cache=DeviceCache(cache_policy, cache_bytes) if cache_bytes else None, quant=quant,
                           disk=disk, experts=experts,
                           host_cache=HostCache(cache_policy, host_cache) if host_cache else None,
-                          lookahead=Lookahead(lookahead) if lookahead and _offloads_experts(plan) else None)
+                          lookahead=Lookahead(lookahead, source=lookahead_from) if lookahead and _offloads_experts(plan)
+                          else None)
         runtime.attach()
         model.moe_offload_runtime = runtime
         mismatches = audit(model, plan)

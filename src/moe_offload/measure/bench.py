@@ -106,7 +106,8 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str | None = None,
               cache_gb: float | None = None, cache_policy: str | None = None, stats=None,
               plan: Plan | None = None, progress: bool = False, experts: str | None = None,
               compile: bool = False, host_cache_gb: float | None = None, lookahead: int = 0,
-              disk_read: str = "direct", log: Callable[[str], None] | None = None) -> list[dict]:
+              lookahead_from: str = "output", disk_read: str = "direct",
+              log: Callable[[str], None] | None = None) -> list[dict]:
     """Measure every arm at every concurrency level; one row per (arm, concurrency), in that order.
 
     Skipped arms (resident when the model does not fit) are reported through `log`
@@ -229,7 +230,7 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str | None = None,
                 tracked, first_row = reset_peak_rss(), len(rows)   # peak RSS over this arm's load and runs
                 model, applied = load(folder, device=dev, backend=backend, dtype=dtype, cache_gb=cache_gb,
                                       cache_policy=cache_policy, experts=experts, host_cache_gb=host_cache_gb,
-                                      lookahead=lookahead, disk_read=disk_read,
+                                      lookahead=lookahead, lookahead_from=lookahead_from, disk_read=disk_read,
                                       **arm.load_kwargs(budget, stats, plan))
                 try:
                     for c in levels:

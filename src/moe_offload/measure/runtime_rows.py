@@ -111,7 +111,7 @@ def _lookahead_fields(runs: list[Run], rt) -> dict:
     if rt.lookahead is None:
         return lookahead_stats(None, 0)
     per_run = [r.lookahead for r in runs if r.lookahead]
-    return {"lookahead": rt.lookahead.distance,
+    return {"lookahead": rt.lookahead.distance, "lookahead_from": rt.lookahead.source,
             "lookahead_hits": sum(s["lookahead_hits"] for s in per_run),
             "lookahead_misses": sum(s["lookahead_misses"] for s in per_run),
             "lookahead_wasted_bytes_per_token": sum(s["lookahead_wasted_bytes_per_token"] for s in per_run) /

@@ -53,6 +53,12 @@ import torch.nn as nn
 from ..model.inventory import layer_of, layer_prefix
 
 
+# Where a guess for the next layers is made (`load(lookahead_from=...)`): "output", decoder layer l's output (the
+# router's input one layer later, normed: the likeliest guess, made just before layer l + 1 routes); "attention",
+# layer l's residual after its attention, before its MoE (a worse guess, made a whole expert step earlier).
+SOURCES = ("output", "attention")
+
+
 class RouterPredictor:
     """Layer t's experts predicted by layer t's router on an earlier layer's output hidden state."""
 
@@ -124,9 +130,10 @@ class Lookahead:
     """Starts reading predicted experts N layers ahead (disk: one worker thread; host: side stream or a second
     worker); counts what the guesses saved."""
 
-    def __init__(self, distance: int, predictor=None):
+    def __init__(self, distance: int, predictor=None, source: str = "output"):
         self.distance = distance
         self.predictor = predictor
+        self.source = source     # the hidden state guesses are made from: SOURCES
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-offload-lookahead")
         self._copies = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-offload-lookahead-copy")
         self._ahead: dict[int, _Ahead] = {}
@@ -150,15 +157,22 @@ class Lookahead:
             layer = layer_of(name)
             targets = [t for t in range(layer + 1, layer + self.distance + 1)
                        if t in self._layers and self.predictor.covers(t)]
-            if targets:
-                handles.append(mod.register_forward_hook(self._hook(rt, targets)))
+            if not targets:
+                continue
+            guess = self._hook(rt, targets)
+            if self.source == "output":
+                handles.append(mod.register_forward_hook(lambda m, args, output, g=guess: g(output)))
+                continue
+            norm = getattr(mod, "post_attention_layernorm", None)   # its input: the residual after attention
+            if isinstance(norm, nn.Module):
+                handles.append(norm.register_forward_pre_hook(lambda m, args, g=guess: g(args[0])))
 
     def serves(self, layer: int | None) -> bool:
         """Rows were read ahead for this layer step: its host-tier experts then take the gathering path."""
         return layer in self._ahead
 
     def _hook(self, rt, targets: list[int]):
-        def post(module, args, output):
+        def guess(output):
             if not rt.decode_step:
                 return
             hidden = output[0] if isinstance(output, tuple) else output
@@ -168,7 +182,7 @@ class Lookahead:
                 ids = self.predictor.predict(target, hidden)
                 if ids:
                     self._start(rt, target, ids)
-        return post
+        return guess
 
     def _start(self, rt, layer: int, ids: list[int]) -> None:
         state = self._layers[layer]
@@ -305,7 +319,8 @@ class Lookahead:
     def stats(self, decode_tokens: int) -> dict:
         recall = {str(layer): h / (h + m) if h + m else None for layer, (h, m) in sorted(self.per_layer.items())}
         per = (lambda b: b / decode_tokens) if decode_tokens else (lambda b: 0.0)
-        return {"lookahead": self.distance, "lookahead_hits": self.hits, "lookahead_misses": self.misses,
+        return {"lookahead": self.distance, "lookahead_from": self.source, "lookahead_hits": self.hits,
+                "lookahead_misses": self.misses,
                 "lookahead_wasted_bytes_per_token": per(self.wasted_bytes),
                 "lookahead_cancelled_bytes_per_token": per(self.cancelled_bytes),
                 "lookahead_recall": recall}
@@ -350,6 +365,7 @@ def _read_all(reads, stop: threading.Event) -> int:
 
 def lookahead_stats(la: Lookahead | None, decode_tokens: int) -> dict:
     if la is None:
-        return {"lookahead": 0, "lookahead_hits": 0, "lookahead_misses": 0, "lookahead_wasted_bytes_per_token": 0.0,
+        return {"lookahead": 0, "lookahead_from": None, "lookahead_hits": 0, "lookahead_misses": 0,
+                "lookahead_wasted_bytes_per_token": 0.0,
                 "lookahead_cancelled_bytes_per_token": 0.0, "lookahead_recall": {}}
     return la.stats(decode_tokens)
