@@ -22,7 +22,6 @@ CheckpointError at the read (disk.py).
 
 from __future__ import annotations
 
-import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -163,7 +162,9 @@ class DiskTier:
             here, there = (~mask).nonzero().squeeze(1), mask.nonzero().squeeze(1)
             out.index_copy_(0, here, split.resident.index_select(0, rows[here]))
             ids = selected[there].tolist()
-            if ids:
+            if ids and out.device.type == "cpu":            # read straight into their rows of `out`
+                self._fetch(rt, src, ids, out, key, cached, layer, la_key, positions=there.tolist())
+            elif ids:
                 tmp = rt.buffer(("disk-rows", key, src.shape[1:], src.dtype), (len(ids), *src.shape[1:]),
                                 src.dtype)
                 self._fetch(rt, src, ids, tmp, key, cached, layer, la_key)
@@ -171,9 +172,11 @@ class DiskTier:
         return out
 
     def _fetch(self, rt: RunState, src: DiskTensor, ids: list[int], dest: torch.Tensor, key: str, cached,
-               layer: int | None, la_key: str) -> None:
-        """dest[j] = expert ids[j]'s row: from the host cache where it holds it (host-link bytes), else from the
-        checkpoint (disk bytes: read ahead by the look-ahead, or now), an admitted one then copied into its pages."""
+               layer: int | None, la_key: str, positions: list[int] | None = None) -> None:
+        """dest[positions[j]] (positions: 0, 1, ... when not given; given only for a cpu `dest`) = expert ids[j]'s
+        row: from the host cache where it holds it (host-link bytes), else from the checkpoint (disk bytes: read
+        ahead by the look-ahead, or now, straight into its row), an admitted one then copied into its pages."""
+        pos = list(range(len(ids))) if positions is None else positions
         hit = cached[1].hit if cached is not None else {}
         la = rt.lookahead if rt.decode_step and layer is not None else None
         ahead = {}
@@ -183,25 +186,23 @@ class DiskTier:
                 if row is not None:
                     ahead[e] = row
         if cached is None and not ahead:
-            self._read_rows(src, ids, dest, key)
+            if positions is None:
+                self._read_rows(src, ids, dest, key)
+            else:
+                self._read_into(src, ids, dest, pos)
             rt.disk_counter.add(src.row_bytes * len(ids))
             return
-        miss = [e for e in ids if not hit.get(e, False) and e not in ahead]
         rows = dest if dest.device.type == "cpu" else torch.empty(tuple(dest.shape), dtype=dest.dtype)
-        got = None
-        if miss:
-            got = self._cpu_rows(key, src, len(miss))
-            src.read_rows(miss, got, self._pool)
-        m = 0
+        miss = [j for j, e in enumerate(ids) if not hit.get(e, False) and e not in ahead]
+        if miss:                                                # read now, each straight into its row
+            self._read_into(src, [ids[j] for j in miss], rows, [pos[j] for j in miss])
         for j, e in enumerate(ids):
+            row = rows[pos[j]]
             if hit.get(e, False):
-                cached[0].read(cached[1], cached[2], e, rows[j])
+                cached[0].read(cached[1], cached[2], e, row)
                 continue
             if e in ahead:
-                row = ahead[e]
-            else:
-                row, m = got[m], m + 1
-            rows[j].copy_(row)
+                row.copy_(ahead[e])
             if cached is not None and e in cached[1].pages:   # admitted by the policy: into the pages it claimed
                 cached[0].store(cached[1], cached[2], e, row)
         if rows is not dest:
@@ -210,15 +211,15 @@ class DiskTier:
         rt.disk_counter.add(src.row_bytes * (len(ids) - hits))   # read from the checkpoint, now or ahead
         rt.counter.add(src.row_bytes * hits)
 
-    def _cpu_rows(self, key: str, src: DiskTensor, count: int) -> torch.Tensor:
-        """A reused host buffer for `count` rows of `src` read from disk before they go to the host cache."""
-        k = ("miss", key, src.shape[1:], src.dtype)
-        buf = self._staging.get(k)
-        need = count * math.prod(src.shape[1:])
-        if buf is None or buf.numel() < need:
-            buf = torch.empty(need, dtype=src.dtype)
-            self._staging[k] = buf
-        return buf[:need].view(count, *src.shape[1:])
+    def _read_into(self, src: DiskTensor, ids: list[int], rows: torch.Tensor, positions: list[int]) -> None:
+        """rows[positions[j]] = expert ids[j]'s row, read from the checkpoint straight into place (`rows` on the cpu):
+        one read of a run of consecutive positions, else one per expert, READS_IN_FLIGHT at once."""
+        first = positions[0]
+        if positions == list(range(first, first + len(ids))):
+            src.read_rows(ids, rows[first:first + len(ids)], self._pool)
+            return
+        for job in [self._pool.submit(src.read_rows, [e], rows[p:p + 1]) for e, p in zip(ids, positions)]:
+            job.result()            # re-raises a read's CheckpointError here
 
     def _read_rows(self, src: DiskTensor, ids: list[int], out: torch.Tensor, key: str) -> None:
         if out.device.type == "cpu":

@@ -21,8 +21,12 @@ read: the tokens are bit-identical, and the caches see the very same accesses (t
 are those without look-ahead; replay's figures hold). A predicted expert is never put in a cache ahead of its
 use: a wrong guess can then never evict an expert that a later step needs.
 
-Host-tier layers take the gathering path while a look-ahead serves them, uva's in-place reads included (the
-eager loop sees the same rows in the same order: bit-identical, experts.py).
+Host-tier layers take the gathering path on decode steps while a look-ahead is on, uva's in-place reads included
+(the eager loop sees the same rows in the same order: bit-identical, experts.py).
+
+Where a guess is made (`source`, `load(lookahead_from=...)`): "output", layer l's output (a forward hook on the
+decoder layer), or "attention", layer l's residual after its attention (a forward pre-hook on its post-attention
+norm), before its MoE: a whole expert step earlier, from a state further from the router's input.
 
 `RouterPredictor`, the default and the one that needs no training (Mixtral-offloading's): layer l + N's own
 router applied to layer l's output after layer l + N's post-attention norm (the router's input is that norm of
@@ -50,6 +54,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from ..errors import MoeOffloadError
 from ..model.inventory import layer_of, layer_prefix
 
 
@@ -164,11 +169,13 @@ class Lookahead:
                 handles.append(mod.register_forward_hook(lambda m, args, output, g=guess: g(output)))
                 continue
             norm = getattr(mod, "post_attention_layernorm", None)   # its input: the residual after attention
-            if isinstance(norm, nn.Module):
-                handles.append(norm.register_forward_pre_hook(lambda m, args, g=guess: g(args[0])))
+            if not isinstance(norm, nn.Module):
+                raise MoeOffloadError(f"lookahead_from='attention' guesses from the input of a decoder layer's "
+                                      f"post_attention_layernorm; {name} has none: use lookahead_from='output'")
+            handles.append(norm.register_forward_pre_hook(lambda m, args, g=guess: g(args[0])))
 
     def serves(self, layer: int | None) -> bool:
-        """Rows were read ahead for this layer step: its host-tier experts then take the gathering path."""
+        """Guesses were started for this layer step: its unpicked ones are dropped when it routes, its rows taken."""
         return layer in self._ahead
 
     def _hook(self, rt, targets: list[int]):
