@@ -111,6 +111,9 @@ class SafetensorsReader:
                     raise CheckpointError(f"{self.path} changed while it was being opened; open it again")
                 self._bounce = mmap.mmap(-1, bounce_bytes)  # anonymous mappings are page aligned
                 self._bounce_view = memoryview(self._bounce)
+                # The same bytes as a tensor: copies out of it are torch copies, which release the GIL (a memoryview
+                # slice assignment holds it for the whole memcpy, stalling every other thread's Python meanwhile).
+                self._bounce_tensor = torch.frombuffer(self._bounce, dtype=torch.uint8)
             else:
                 # Readahead would pull neighbouring bytes (other experts) into the page cache: read what is asked.
                 os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
@@ -290,7 +293,8 @@ class SafetensorsReader:
         total = sum(len(d) for d in dests)
         lo = offset // DIRECT_ALIGN * DIRECT_ALIGN
         hi = -(-(offset + total) // DIRECT_ALIGN) * DIRECT_ALIGN
-        bounce = self._bounce_view
+        bounce, source = self._bounce_view, self._bounce_tensor
+        dests = [torch.frombuffer(d, dtype=torch.uint8) for d in dests]   # no copy: the callers' memory
         di, dpos = 0, 0          # destination index and the bytes of it already filled
         pos = offset             # next file byte to deliver
         for win in range(lo, hi, len(bounce)):
@@ -304,11 +308,11 @@ class SafetensorsReader:
             # Copy this window's part of [offset, offset + total) into the destinations, in order.
             while di < len(dests) and pos < win + n and pos < offset + total:
                 d = dests[di]
-                take = min(len(d) - dpos, win + n - pos)
-                d[dpos:dpos + take] = bounce[pos - win:pos - win + take]
+                take = min(d.numel() - dpos, win + n - pos)
+                d[dpos:dpos + take].copy_(source[pos - win:pos - win + take])
                 dpos += take
                 pos += take
-                if dpos == len(d):
+                if dpos == d.numel():
                     di, dpos = di + 1, 0
         if pos != offset + total:
             raise self._short(offset, total, pos - offset)
@@ -321,6 +325,7 @@ class SafetensorsReader:
             setattr(self, attr, -1 if attr == "_fd" else None)
         bounce = getattr(self, "_bounce", None)
         if bounce is not None:
+            self._bounce_tensor = None           # its export of the mapping ends with it
             self._bounce_view.release()
             bounce.close()
             self._bounce = None
