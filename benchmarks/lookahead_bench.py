@@ -34,8 +34,7 @@ from lookahead_bench_arms import (GiB, ROOT, TRAINED, child, drop_caches, ensure
 console = Console(highlight=False, width=160)
 FULL = dict(ffn=32768, limit_gb=1.5, reserve_gb=0.75, host_cache_gb=0.55, steps=32, prefill=4, texts=12, pred_steps=48,
             rounds=3)
-QUICK = dict(ffn=8192, limit_gb=1.0, reserve_gb=0.55, host_cache_gb=0.2, steps=8, prefill=4, texts=2, pred_steps=12,
-             rounds=1)
+QUICK = dict(FULL, ffn=8192, limit_gb=1.0, reserve_gb=0.55, host_cache_gb=0.2, steps=8, texts=2, pred_steps=12, rounds=1)
 
 
 # --- 2. the arms -------------------------------------------------------------------------------------------------
@@ -45,12 +44,13 @@ def arm_specs(cfg: dict, model: Path, ids: list[int]) -> list[dict]:
                   budget_gb=cfg["limit_gb"])
     r0, h = cfg["reserve_gb"], cfg["host_cache_gb"]
     # (b)-(d) move h GiB from the plan's resident experts to the host cache / the page cache: same total memory.
+    cached = dict(common, reserve_gb=r0 + h, host_cache_gb=h)
     return [dict(common, key="a", label="(a) disk tier", reserve_gb=r0),
-            dict(common, key="b", label="(b) + host cache", reserve_gb=r0 + h, host_cache_gb=h),
-            dict(common, key="c", label="(c) + host cache + lookahead 1", reserve_gb=r0 + h, host_cache_gb=h, lookahead=1),
-            dict(common, key="c2", label="(c') + host cache + lookahead 2", reserve_gb=r0 + h, host_cache_gb=h, lookahead=2),
-            dict(common, key="c3", label="(c'') + host cache + lookahead 1 from attention", reserve_gb=r0 + h,
-                 host_cache_gb=h, lookahead=1, lookahead_from="attention"),
+            dict(cached, key="b", label="(b) + host cache"),
+            dict(cached, key="c", label="(c) + host cache + lookahead 1", lookahead=1),
+            dict(cached, key="c2", label="(c') + host cache + lookahead 2", lookahead=2),
+            dict(cached, key="c3", label="(c'') + host cache + lookahead 1 from attention", lookahead=1,
+                 lookahead_from="attention"),
             dict(common, key="d", label="(d) disk reads via mmap", reserve_gb=r0 + h, disk_read="mmap")]
 
 
@@ -160,16 +160,14 @@ def analysis(res: dict, d: dict) -> list[str]:
                    f"{c['itl_mean_ms']:.0f} ms/token against (b)'s {b['itl_mean_ms']:.0f}. Why, in this disk-bound "
                    "regime: the guess for layer t is made from layer t-1's output, so its read starts as layer t is "
                    "about to route (the window is layer t's attention, ~nothing here); when layer t routes, its "
-                   "unpicked guesses still queued are cancelled, but the one under way finishes its current tensor "
-                   "(16 MiB here) while the picked experts wait for the disk (O_DIRECT reads of one file run in turn). "
-                   + (f"N = 2 (c') gives a window of one layer but guesses worse: "
-                   f"{by['c2']['lookahead_wasted_bytes_per_token'] / mib:.0f} MiB/token read in vain, "
-                   f"{by['c2']['itl_mean_ms']:.0f} ms/token. " if "c2" in by else "")
-                   + (f"Guessing from layer t-1's residual after attention (c'', `lookahead_from=\"attention\"`: a "
-                      f"window of layer t-1's whole expert step) reads {by['c3']['lookahead_wasted_bytes_per_token'] / mib:.0f} "
-                      f"MiB/token in vain ({by['c3']['lookahead_hits']} hits / {by['c3']['lookahead_misses']} misses): "
-                      f"{by['c3']['itl_mean_ms']:.0f} ms/token; a longer window lets more wrong guesses finish before "
-                      "their layer routes, and the disk has no idle time for them." if "c3" in by else ""))
+                   "unpicked guesses still queued are cancelled, but the one under way finishes its current tensor while "
+                   "the picked experts wait for the disk. "
+                   + (f"N = 2 (c') gives a window of one layer but guesses worse: {by['c2']['lookahead_wasted_bytes_per_token'] / mib:.0f}"
+                      f" MiB/token read in vain, {by['c2']['itl_mean_ms']:.0f} ms/token. " if "c2" in by else "")
+                   + (f"Guessing from layer t-1's residual after attention (c'', a window of its whole expert step) "
+                      f"reads {by['c3']['lookahead_wasted_bytes_per_token'] / mib:.0f} MiB/token in vain ("
+                      f"{by['c3']['lookahead_hits']} hits / {by['c3']['lookahead_misses']} misses): {by['c3']['itl_mean_ms']:.0f}"
+                      " ms/token; more wrong guesses finish before their layer routes." if "c3" in by else ""))
     pl = res["prediction"]["per_layer"]
     pre = [v.get("recall_pre") for v in pl.values() if v.get("recall_pre") is not None]
     n1 = [v["recall"] for v in pl.values() if v["recall"] is not None]
