@@ -1,12 +1,28 @@
-"""What the look-ahead tests share (tests/run/test_lookahead*.py): a greedy generation that returns its logits, the
-routing recorder, and a predictor that replays a recorded run's routing. Imported explicitly (not a conftest)."""
+"""What the look-ahead tests share (tests/run/test_lookahead*.py): their model, a greedy generation that returns its
+logits, the routing recorder, and a predictor that replays a recorded run's routing. Imported explicitly (not a
+conftest).
+
+Model: make_tiny qwen3_moe, float32, hidden 32, 4 layers, E=8, top-2. One expert is 12,288 B of gate_up_proj
++ 6,144 B of down_proj = 18,432 B per layer.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from moe_offload.tiny.make import make_tiny
 
-def generate(model, ids, new_tokens: int = 8):
+LAYERS, E = 4, 8
+EXPERT = 18432
+NEW = 8
+SPLIT_IDS = {"gate_up_proj": (1, 3, 4, 6), "down_proj": (1, 4)}   # the experts a split plan offloads, per tensor
+
+
+def tiny_model(folder):
+    return make_tiny(folder, family="qwen3_moe", layers=LAYERS, experts=E, top_k=2, hidden=32)
+
+
+def generate(model, ids, new_tokens: int = NEW):
     """(greedy tokens, per-step logits), EOS ignored so that every step decodes."""
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,

@@ -30,22 +30,16 @@ import pytest
 import torch
 
 import moe_offload as mo
-from fixtures_lookahead import Replay, generate, routing
+from fixtures_lookahead import E, EXPERT, LAYERS, NEW, SPLIT_IDS, Replay, generate, routing, tiny_model
 from fixtures_models import BACKENDS, load, prompt_ids
 from moe_offload.errors import CheckpointError, MoeOffloadError
 from moe_offload.planning.placement import GiB, Tier
-from moe_offload.tiny.make import make_tiny
 
-LAYERS, E = 4, 8
-EXPERT = 18432
-NEW = 8
-SPLIT_IDS = {"gate_up_proj": (1, 3, 4, 6), "down_proj": (1, 4)}
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("lookahead") / "m", family="qwen3_moe", layers=LAYERS, experts=E,
-                     top_k=2, hidden=32)
+    return tiny_model(tmp_path_factory.mktemp("lookahead") / "m")
 
 
 def _replaced(folder, place):
@@ -263,7 +257,7 @@ def test_unpicked_guesses_not_yet_read_are_cancelled(folder, plans):
 
 
 def test_a_lookahead_read_of_a_truncated_checkpoint_is_raised_where_the_row_is_needed(tmp_path):
-    folder = make_tiny(tmp_path / "m", family="qwen3_moe", layers=LAYERS, experts=E, top_k=2, hidden=32)
+    folder = tiny_model(tmp_path / "m")
     model, _ = load(folder, plan=_plan(folder, "late"), lookahead=1)
     la = model.moe_offload_runtime.lookahead
 

@@ -25,25 +25,19 @@ import pytest
 import torch
 
 import moe_offload as mo
-from fixtures_lookahead import Replay, generate, routing
+from fixtures_lookahead import E, EXPERT, LAYERS, NEW, SPLIT_IDS, Replay, generate, routing, tiny_model
 from fixtures_models import BACKENDS, load, prompt_ids
 from moe_offload.formats.traces import TraceWriter, read_trace
 from moe_offload.loading.loader import load_tokenizer
 from moe_offload.measure.profile import record, trace_header
 from moe_offload.planning.placement import GiB, Tier
 from moe_offload.routing.replay import replay
-from moe_offload.tiny.make import make_tiny
 
-LAYERS, E = 4, 8
-EXPERT = 18432
-NEW = 8
-SPLIT_IDS = {"gate_up_proj": (1, 3, 4, 6), "down_proj": (1, 4)}
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("lookahead-host") / "m", family="qwen3_moe", layers=LAYERS, experts=E,
-                     top_k=2, hidden=32)
+    return tiny_model(tmp_path_factory.mktemp("lookahead-host") / "m")
 
 
 def _plan(folder, kind: str):
