@@ -152,8 +152,10 @@ def test_with_a_device_cache_only_its_misses_are_predicted_reads(folder, plans):
 
 
 @pytest.mark.parametrize("cache_gb", [None, 3 * EXPERT / GiB], ids=["no-cache", "device-cache"])
-def test_replay_of_a_predicted_trace_counts_what_the_runtime_counted(folder, plans, tmp_path, cache_gb):
-    model, plan = load(folder, plan=plans["host"], lookahead=1, cache_gb=cache_gb)
+@pytest.mark.parametrize("kind", ["host", "mixed"])
+def test_replay_of_a_predicted_trace_counts_what_the_runtime_counted(folder, plans, tmp_path, kind, cache_gb):
+    """`mixed`: a guess reads a host row and a disk row of one expert, each counted once."""
+    model, plan = load(folder, plan=plans[kind], lookahead=1, cache_gb=cache_gb)
     path = tmp_path / "t.jsonl"
     with TraceWriter(path, trace_header(plan, "test")) as w:
         record(model, load_tokenizer(folder), ["The storm reached the coast", "A river"], w, max_new_tokens=10,

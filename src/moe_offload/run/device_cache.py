@@ -281,8 +281,7 @@ class DeviceCache(PagedCache):
                                            out_pages.index_select(0, _index(admit_rows, dev)))
             staged[name] = out
         if rt.lookahead is not None and rt.decode_step:   # what the guesses saved: the misses read from below
-            host_reads = [e for i, e in enumerate(ids) if not hit[i]
-                          and any(not d and rows[e] is not None for d, rows in zip(lay.on_disk, lay.host_row))]
+            host_reads = state.host_reads([e for i, e in enumerate(ids) if not hit[i]])
             rt.lookahead.end_layer(layer, sorted(set(host_reads) | set(disk_reads)))
         return staged
 

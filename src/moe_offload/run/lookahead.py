@@ -103,7 +103,7 @@ def _readable(*mods: nn.Module) -> bool:
 class _Ahead:
     """What was started for one layer step: rows per expert and tensor, and the jobs filling them."""
 
-    rows: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)   # expert -> local name -> row
+    rows: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)   # disk: expert -> local name -> row
     jobs: dict[int, Future] = field(default_factory=dict)       # disk: expert -> its read job (bytes read)
     stops: dict[int, threading.Event] = field(default_factory=dict)   # disk: expert -> stop before the next tensor
     host: dict[str, tuple[torch.Tensor, dict[int, int], object]] = field(default_factory=dict)
@@ -124,11 +124,8 @@ class _StreamJob:
         self.event.record(stream)
 
     def result(self) -> None:
+        """The current stream waits for the copies (before it reads the rows or their memory is handed out again)."""
         torch.cuda.current_stream(self.device).wait_event(self.event)
-
-    def exception(self) -> None:
-        self.result()        # the rows' memory may be handed out again only after the copies into it
-        return None
 
 
 class Lookahead:
@@ -200,8 +197,9 @@ class Lookahead:
         ahead = _Ahead()
         self._start_disk(state, ahead, [e for e in ids if e in below and (layer, e) not in held])
         self._start_host(rt, state, ahead, [e for e in ids if e in below])
-        self.predicted += len(ahead.rows)
-        if ahead.rows:
+        guessed = set(ahead.rows).union(*(slots for _, slots, _ in ahead.host.values()))
+        self.predicted += len(guessed)
+        if guessed:
             self._ahead[layer] = ahead
 
     def _start_disk(self, state, ahead: _Ahead, want: list[int]) -> None:
@@ -239,10 +237,7 @@ class Lookahead:
                 job = _StreamJob(rt.stream, buf)
             else:
                 job = self._copies.submit(rt.copy_rows, host, index, buf)
-            slots = {e: j for j, e in enumerate(rows)}
-            ahead.host[name] = (buf, slots, job)
-            for e, j in slots.items():
-                ahead.rows.setdefault(e, {})[name] = buf[j]
+            ahead.host[name] = (buf, {e: j for j, e in enumerate(rows)}, job)
 
     def routed(self, layer: int, picked: list[int]) -> None:
         """Layer `layer` has routed: its guesses that were not picked are dropped (a read not started is cancelled,
@@ -333,30 +328,29 @@ class Lookahead:
                 "lookahead_recall": recall}
 
 
-def _nbytes(rows: dict[str, torch.Tensor]) -> int:
-    return sum(r.numel() * r.element_size() for r in rows.values())
+def _row_bytes(t: torch.Tensor) -> int:
+    return t[0].numel() * t.element_size()
 
 
 def _unpicked(ahead: _Ahead, every: bool = False) -> list[tuple[object, int]]:
     """The jobs of guesses this layer step did not use, each with the bytes it would read (`every`: the layer never
     routed, so every job is unused)."""
     used = set() if every else ahead.used
-    out = [(job, _nbytes(ahead.rows[e])) for e, job in ahead.jobs.items() if e not in used]
-    for name, (buf, slots, job) in ahead.host.items():
-        vain = [e for e in slots if e not in used]
-        out.append((job, sum(ahead.rows[e][name].numel() * ahead.rows[e][name].element_size() for e in vain)))
+    out = [(job, sum(r.numel() * r.element_size() for r in ahead.rows[e].values()))
+           for e, job in ahead.jobs.items() if e not in used]
+    out += [(job, _row_bytes(buf) * sum(1 for e in slots if e not in used)) for buf, slots, job in ahead.host.values()]
     return out
 
 
 def _outcome(job):
-    """A job's bytes read (disk), None (a host copy: done), or the exception it raised; a cancelled read read 0."""
-    if job.cancelled() if isinstance(job, Future) else False:
-        return 0
+    """Waits for a job: its bytes read (a disk read; 0 if cancelled before it started), None (a host copy: done), or
+    the exception it raised."""
     try:
-        exc = job.exception()
+        return job.result()
     except CancelledError:
         return 0
-    return exc if exc is not None else (job.result() if isinstance(job, Future) else None)
+    except Exception as exc:        # a read's CheckpointError, raised by settle
+        return exc
 
 
 def _read_all(reads, stop: threading.Event) -> int:
