@@ -17,7 +17,7 @@ MAX_LINES = 400
 # floors only (and itself). Rooms on one floor stand side by side and do not import each other.
 FLOORS = {
     "errors": 0, "prompts": 0,
-    "formats": 1,
+    "formats": 1, "kernels": 1,
     "model": 2,
     "tiny": 3, "planning": 3,
     "routing": 4, "storage": 4, "engines": 4,

@@ -22,7 +22,8 @@ from moe_offload.errors import MoeOffloadError
 from moe_offload.measure.timing import _forward_keywords
 from moe_offload.planning.placement import GiB
 from moe_offload.run.experts import is_experts_module
-from moe_offload.run.grouped import GROUPED_MAX_ROWS, ExpertsCompute, ExpertsMode, grouped_experts, original_forward
+from moe_offload.run.compute import ExpertsCompute, ExpertsMode
+from moe_offload.run.grouped import GROUPED_MAX_ROWS, grouped_experts, original_forward
 from moe_offload.tiny.make import make_tiny
 
 SIZES = dict(layers=2, experts=8, hidden=64)

@@ -77,10 +77,13 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     "output" (layer l's) or "attention" (layer l's residual after attention, before its MoE).
     `disk_read`: how the disk tier reads the checkpoint: "direct" (O_DIRECT, no page cache) or "mmap" (through a
     memory map, the page cache deciding what stays: llama.cpp's way, storage/mapped.py).
-    `experts`: how selected experts are computed, "eager" (the class's loop, default) or "grouped" (run/grouped.py).
+    `experts`: how selected experts are computed, "eager" (the class's loop, default), "grouped" (run/grouped.py),
+    "fused" (moe-offload's CPU kernels on the stored format, run/fused.py) or "auto" (fused where the kernels run,
+    else eager, saying why; the command line's default).
     """
     from ..run.auditor import audit
-    from ..run.grouped import ExpertsMode, check_kernels, experts_mode
+    from ..run.compute import ExpertsCompute, ExpertsMode, resolve_experts
+    from ..run.grouped import check_kernels
     from ..run.host_cache import HostCache, carve, host_cache_bytes
     from ..run.lookahead import SOURCES, Lookahead
     from ..storage.mapped import MODES
@@ -91,9 +94,10 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     if not folder.is_dir():
         raise ConfigError(f"{folder} is not a model folder: give a local folder with config.json and safetensors")
     dev = resolve_device(device)
-    experts = experts_mode(experts)
-    if experts is ExpertsMode.GROUPED:
+    mode, why_not_fused = resolve_experts(experts, dev)
+    if mode is ExpertsMode.GROUPED:
         check_kernels(dev)
+    experts = ExpertsCompute(mode, why_not_fused)
     backend = backend or "uva"
     if backend not in BACKENDS:
         raise DeviceError(f"unknown backend {backend!r}: use uva or prefetch")

@@ -105,22 +105,27 @@ class ExpertsState:
         rt = self.runtime
         if rt.recorder is not None and self.layer is not None:
             rt.routed[self.layer] = top_k_index.detach()
-        if not self.offloaded and not self.quant and not self.disk:
-            return rt.compute(module, {}, hidden_states, top_k_index, top_k_weights, decode=rt.step_tokens == 1)
+        decode = rt.step_tokens == 1
+        # The CPU kernels (fused.py) read quantized experts as stored: nothing is dequantized, wherever they lie.
+        fused = rt.compute.fused_for(module, hidden_states, self.quant)
+        quant = self.quant if fused else None
+        if not self.offloaded and not self.disk and (fused or not self.quant):
+            return rt.compute(module, {}, hidden_states, top_k_index, top_k_weights, decode=decode, quant=quant)
         # A decode step with a device cache reads each selected expert from its cache pages when it holds it
         # (device_cache.py), so even uva's whole host tensors are then gathered rather than read in place.
         cached = rt.cache_step and bool(self.offloaded or self.disk) and rt.cache.serves(self.layer)
         # With a look-ahead, a decode step gathers too: its predicted experts come from the rows copied ahead.
         ahead = rt.lookahead is not None and rt.decode_step
-        if rt.backend == "uva" and not self.split and not cached and not self.quant and not self.disk and not ahead:
+        if rt.backend == "uva" and not self.split and not cached and (fused or not self.quant) and not self.disk \
+                and not ahead:
             # In place: the kernels index each selected expert of the host view. Counting distinct experts
             # needs their number on the host, so it waits for the end of the forward call.
             per_expert = sum(_row_bytes(t) for t in self.offloaded.values())
             rt.routes.append((top_k_index.detach(), per_expert))
-            return rt.compute(module, {}, hidden_states, top_k_index, top_k_weights, decode=rt.step_tokens == 1)
-        staged, local, count = self.gather(module, top_k_index, cached)
+            return rt.compute(module, {}, hidden_states, top_k_index, top_k_weights, decode=decode, quant=quant)
+        staged, local, count = self.gather(module, top_k_index, cached, dequantize=not fused)
         view = _StagedExperts(module, staged, count)
-        return rt.compute(module, staged, hidden_states, local, top_k_weights, view=view, decode=rt.step_tokens == 1)
+        return rt.compute(module, staged, hidden_states, local, top_k_weights, view=view, decode=decode, quant=quant)
 
     def disk_reads(self, ids: list[int], decision=None) -> list[int]:
         """Of `ids`, the experts read from the disk tier in this layer step: on disk in some tensor, not served by
@@ -142,10 +147,11 @@ class ExpertsState:
         return [e for e in ids if e in on_host]
 
     @torch.compiler.disable
-    def gather(self, module, top_k_index, cached: bool):
+    def gather(self, module, top_k_index, cached: bool, dequantize: bool = True):
         """The U selected experts gathered into reused buffers, each from the tier that holds it, and the routing
         renumbered 0..U-1: (local name -> [U, ...] stack, local ids [T, k], U). Data-dependent (which experts,
-        where they lie): it runs eagerly, an edge of a compiled decode step (compiled.py)."""
+        where they lie): it runs eagerly, an edge of a compiled decode step (compiled.py). `dequantize`: quantized
+        tensors become the compute dtype (else they stay as stored, scales beside them, for the fused kernels)."""
         rt = self.runtime
         # The eager loop then visits them in the same ascending order, with the same values (bit-identical
         # arithmetic); the grouped kernels index the gathered stack with the renumbered ids.
@@ -183,8 +189,10 @@ class ExpertsState:
         if la is not None and not cached and (self.disk or self.offloaded):   # what the guesses saved (the device
             ids = selected.tolist()                                             # cache counts its own misses)
             la.end_layer(self.layer, sorted(set(self.disk_reads(ids, decision)) | set(self.host_reads(ids))))
-        if self.quant:   # the gathered stored bytes -> the selected experts in the compute dtype (quant_weights.py)
+        if self.quant and dequantize:   # the gathered stored bytes -> the compute dtype (quant_weights.py)
             rt.dequantizer.selected_experts(module, self.quant, staged, selected)
+        elif self.quant:                # kept as stored: the resident ones' rows (and scales) renumbered too
+            rt.dequantizer.stored_experts(module, self.quant, staged, selected)
         for name, p in module.named_parameters(recurse=False):
             # Resident per-expert tensors are renumbered too (a device-local gather, no link bytes).
             if name not in staged and p.dim() >= 1 and p.shape[0] == self.num_experts:

@@ -32,7 +32,6 @@ the loops that do the arithmetic are the same whatever stack the rows come from)
 
 from __future__ import annotations
 
-import enum
 import shutil
 import types
 from typing import Callable
@@ -42,22 +41,6 @@ import torch.nn as nn
 
 GROUPED_MAX_ROWS = 8   # sequences of a decode step up to which it is computed grouped
 RECOMPILE_LIMIT = 64   # kernels a runtime may compile (row counts x gathered-stack specialisations x dtypes)
-
-
-class ExpertsMode(str, enum.Enum):
-    EAGER = "eager"       # the experts class's own forward (the model's arithmetic)
-    GROUPED = "grouped"   # one fused gather-GEMV per projection (this module)
-
-
-def experts_mode(value) -> ExpertsMode:
-    from ..errors import MoeOffloadError
-
-    if isinstance(value, ExpertsMode):
-        return value
-    try:
-        return ExpertsMode(value or ExpertsMode.EAGER.value)
-    except ValueError:
-        raise MoeOffloadError(f"experts {value!r}: use {' or '.join(m.value for m in ExpertsMode)}") from None
 
 
 def check_kernels(device: torch.device, what: str = "--experts grouped") -> None:
@@ -83,10 +66,11 @@ def _gemv(w: torch.Tensor, ids: torch.Tensor, x: torch.Tensor, transposed: bool)
     return (w[ids].float() * x.float()[:, None, :]).sum(-1).to(x.dtype)
 
 
-def grouped_experts(module: nn.Module, tensors: dict[str, torch.Tensor], hidden_states: torch.Tensor,
-                    top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The experts module's output for [T, H] hidden states routed to top_k_index [T, k] (ids into the stacks of
-    `tensors`, which default to the module's own parameters), all S = T * k pairs at once."""
+def experts_math(module: nn.Module, tensors: dict[str, torch.Tensor], project: Callable, hidden_states: torch.Tensor,
+                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Everything of an experts module's forward around its two projections, for all S = T * k pairs at once:
+    `project(name, ids [S], x [S, K])` -> [S, O] in x's dtype computes `name`'s expert ids[s] on x[s] (this
+    module's gather-GEMV, or the CPU kernels of fused.py)."""
     def get(name):
         return tensors[name] if name in tensors else getattr(module, name)
 
@@ -95,11 +79,11 @@ def grouped_experts(module: nn.Module, tensors: dict[str, torch.Tensor], hidden_
     x = hidden_states.repeat_interleave(k, dim=0)            # [S, H]
     ids = top_k_index.reshape(-1)                            # [S]
     up = "gate_up_proj" if module.has_gate else "up_proj"
-    h = _gemv(get(up), ids, x, module.is_transposed)
+    h = project(up, ids, x)
     if module.has_bias:
         h = h + get(up + "_bias")[ids]
     h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
-    out = _gemv(get("down_proj"), ids, h, module.is_transposed)
+    out = project("down_proj", ids, h)
     if module.has_bias:
         out = out + get("down_proj_bias")[ids]
     if module.has_post_expert_norm:
@@ -108,42 +92,13 @@ def grouped_experts(module: nn.Module, tensors: dict[str, torch.Tensor], hidden_
     return out.view(tokens, k, -1).sum(1).to(hidden_states.dtype)
 
 
-def _own_copy(fn):
-    """A copy of `fn` with its own code object: torch.compile keeps its compiled graphs (and its recompile limit)
-    per code object, so each runtime's kernels are its own, not shared by every model of the process."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+def grouped_experts(module: nn.Module, tensors: dict[str, torch.Tensor], hidden_states: torch.Tensor,
+                    top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts module's output for [T, H] hidden states routed to top_k_index [T, k] (ids into the stacks of
+    `tensors`, which default to the module's own parameters), all S = T * k pairs at once."""
+    def project(name, ids, x):
+        return _gemv(tensors[name] if name in tensors else getattr(module, name), ids, x, module.is_transposed)
+
+    return experts_math(module, tensors, project, hidden_states, top_k_index, top_k_weights)
 
 
-class ExpertsCompute:
-    """How a runtime computes a call's selected experts: the class's eager loop, or grouped (one compiled
-    gather-GEMV kernel per projection, compiled once per shape and kept here)."""
-
-    def __init__(self, mode=ExpertsMode.EAGER):
-        self.mode = experts_mode(mode)
-        self._kernel = None
-
-    def grouped_for(self, hidden_states: torch.Tensor, decode: bool) -> bool:
-        return self.mode is ExpertsMode.GROUPED and decode and hidden_states.size(0) <= GROUPED_MAX_ROWS
-
-    def __call__(self, module: nn.Module, tensors: dict[str, torch.Tensor], hidden_states: torch.Tensor,
-                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *, view=None,
-                 decode: bool = True) -> torch.Tensor:
-        """`view`: what the eager forward sees as the module (a staged view when tensors were gathered);
-        `decode`: the call is a decode step (one new token per sequence)."""
-        if not self.grouped_for(hidden_states, decode):
-            return original_forward(module)(module if view is None else view, hidden_states, top_k_index,
-                                            top_k_weights)
-        if torch.compiler.is_compiling():   # inside a compiled decode step: traced inline
-            return grouped_experts(module, tensors, hidden_states, top_k_index, top_k_weights)
-        if self._kernel is None:
-            self._kernel = torch.compile(_own_copy(grouped_experts), dynamic=False, fullgraph=True)
-        for t in tensors.values():   # gathered stacks: their number of experts varies from call to call
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):   # for this call only
-            return self._kernel(module, tensors, hidden_states, top_k_index, top_k_weights)
-
-    @property
-    def mechanism(self) -> str:
-        if self.mode is ExpertsMode.EAGER:
-            return "experts: the class's eager loop"
-        return f"experts: grouped gather-GEMV kernels (calls of up to {GROUPED_MAX_ROWS} rows; prefill eager)"

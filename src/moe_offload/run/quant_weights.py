@@ -275,6 +275,18 @@ class Dequantizer:
             QuantTensor(q.format, data, scale, q.block, q.parts).dequantize(dtype=q.compute_dtype, out=out, lut=lut)
             staged[local] = out
 
+    @staticmethod
+    def stored_experts(module: nn.Module, layouts: Mapping[str, QuantLayout], staged: dict[str, torch.Tensor],
+                       selected: torch.Tensor) -> None:
+        """For kernels that read the stored format (run/fused.py): complete `staged` with the `selected` experts'
+        values (as bytes when float8) and scales of each quantized tensor nothing was gathered for (resident
+        whole), a device-local gather; nothing is dequantized."""
+        for local, q in layouts.items():
+            if local not in staged:
+                staged[local] = byte_view(getattr(module, local)).index_select(0, selected)
+            if q.scale_local not in staged:
+                staged[q.scale_local] = getattr(module, q.scale_local).index_select(0, selected)
+
     # --- Linear weights -------------------------------------------------------------------------------------
     def hook_linears(self, model: nn.Module, handles: list) -> None:
         """Pre/post hooks on every nn.Linear whose weight is quantized. The pre-hook runs after any hook already

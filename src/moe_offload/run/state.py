@@ -5,7 +5,7 @@ function (experts.py), the device-side expert cache (device_cache.py), the disk 
 dense prefetcher (dense_prefetch.py). It holds
 
 - the device and backend (`uva` or `prefetch`), and how selected experts are computed (`compute`:
-  grouped.ExpertsCompute, eager or grouped);
+  compute.ExpertsCompute: eager, grouped or fused);
 - the counters of bytes read per forward call (`LinkCounter`): the host link's and the disk tier's;
 - the reused device buffers offloaded rows are staged into, and the row copies that fill them;
 - the hook handles every reader registers (removed together at detach);
@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from .grouped import ExpertsCompute, ExpertsMode
+from .compute import ExpertsCompute, ExpertsMode
 from ..storage.host import ExpertSplit
 
 
@@ -82,7 +82,7 @@ class RunState:
                  disk=None, dequantizer=None, experts=ExpertsMode.EAGER, host_cache=None, lookahead=None):
         self.device = device
         self.backend = backend
-        self.compute = ExpertsCompute(experts)
+        self.compute = experts if isinstance(experts, ExpertsCompute) else ExpertsCompute(experts)
         self.counter = LinkCounter()
         # The disk tier (disk_tier.DiskTier) or None; its reads are counted apart from the host link's.
         self.disk = disk

@@ -1,0 +1,576 @@
+// moe-offload's CPU kernel: selected experts' matrix-vector products read straight from the stored format.
+//
+//   out[s, o] = sum_i  W[ids[s]][o, i] * x[s, i]        (float32 accumulation, float32 result)
+//
+// W is an expert stack as it lies (a resident parameter, a host view, a gathered buffer, a cache page): float32,
+// bfloat16 or float16 [E, O, K] (or transposed [E, K, O]); FP8 e4m3 [E, O, K] with float32 block scales
+// [E, R, ceil(K/bk)] (`row_block[o]` is the scale row of output row o); MXFP4 e2m1 blocks [E, O, K/32, 16] with
+// e8m0 scales [E, O, K/32]. Nothing is dequantized into memory: each 16 values are decoded in registers and
+// multiplied into the accumulators, so a call reads the selected experts' stored bytes once.
+//
+// One arithmetic, three instruction sets. The result is defined lane by lane, and the AVX-512, AVX2 and portable
+// paths compute exactly that definition (fused multiply-adds only, a fixed reduction tree), so they agree bit for
+// bit on every CPU, whatever the thread count, alignment or which stack the rows come from:
+//   - rows (not transposed): 16 lane accumulators; lane j takes the products of the values at i = 16c + j (zero
+//     padded past K), acc_j = fma(w, x, acc_j) in order of c; FP8: per block of bk columns a block accumulator
+//     starts at 0 and is folded in as acc_j = fma(block_j, scale * 256, acc_j) (the e4m3 decode below yields
+//     value / 256 exactly); MXFP4: per group of 32, lane j holds byte j (values 2j and 2j+1): b = fma(lo, x[2j], 0),
+//     b = fma(hi, x[2j+1], b), acc_j = fma(b, 2^(e-127), acc_j). Then the lanes are summed as a tree:
+//     s8_j = a_j + a_{j+8}, s4_j = s8_j + s8_{j+4}, s2_j = s4_j + s4_{j+2}, out = s2_0 + s2_1.
+//   - transposed (float formats only): out[o] = fma(w[i, o], x[i], out[o]) in order of i.
+// Work is split over output rows (torch's intra-op threads, at::parallel_for): each output value is computed by
+// one thread in the order above, so the thread count never changes a bit. Pairs that pick the same expert are
+// computed together, each row read from memory once for all of them.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+enum Wtype : int64_t { F32 = 0, BF16 = 1, F16 = 2, FP8 = 3, MXFP4 = 4 };
+enum Isa : int64_t { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };
+
+constexpr int64_t ROW_TILE = 16;   // output rows per work item (rows layout)
+constexpr int64_t COL_TILE = 64;   // output columns per work item (transposed layout)
+constexpr int64_t LANES = 16;
+#ifndef RI512
+#define RI512 4
+#endif
+
+struct Job {
+  const uint8_t* w;          // stack base
+  int64_t wtype;
+  int64_t w_expert_bytes;    // bytes of one expert's matrix
+  int64_t O, K;              // output rows, input length
+  bool transposed;
+  const float* x;            // [S, Kp] float32 (zero padded to Kp; MXFP4: each group of 32 as 16 even, 16 odd)
+  int64_t Kp;
+  const float* scales;       // FP8: [E, R, C]
+  int64_t sc_expert, sc_row; // FP8 strides (elements)
+  const int32_t* row_block;  // FP8: [O] scale row of each output row
+  int64_t bk;                // FP8 block columns
+  const uint8_t* mx_scales;  // MXFP4: [E, O, G]
+  float* out;                // [S, O]
+  const int64_t* order;      // pair indices sorted by expert
+  const int64_t* group_start;    // [G + 1] into order
+  const int64_t* group_expert;   // [G]
+  int64_t tiles;                 // work items per group
+};
+
+// ---- the definition's pieces shared by every path ---------------------------------------------------------------
+
+inline uint16_t fp8_half_bits(uint8_t b) {   // e4m3 -> the fp16 whose value is the e4m3 value / 256, exactly
+  return static_cast<uint16_t>(((b & 0x7F) << 7) | ((b & 0x80) << 8));
+}
+
+inline float e8m0(uint8_t s) {   // 2^(s - 127); s = 0 is the subnormal 2^-127
+  uint32_t bits = s == 0 ? 0x00400000u : static_cast<uint32_t>(s) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+const float FP4[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                       -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+inline float reduce16(const float* a) {
+  float s8[8], s4[4], s2[2];
+  for (int j = 0; j < 8; ++j) s8[j] = a[j] + a[j + 8];
+  for (int j = 0; j < 4; ++j) s4[j] = s8[j] + s8[j + 4];
+  for (int j = 0; j < 2; ++j) s2[j] = s4[j] + s4[j + 2];
+  return s2[0] + s2[1];
+}
+
+inline const uint8_t* expert_rows(const Job& j, int64_t e) { return j.w + e * j.w_expert_bytes; }
+
+inline int64_t elem_bytes(int64_t wtype) { return wtype == F32 ? 4 : (wtype == FP8 ? 1 : 2); }
+
+// ---- portable path ----------------------------------------------------------------------------------------------
+
+inline float decode(int64_t wtype, const uint8_t* p, int64_t i) {
+  switch (wtype) {
+    case F32: { float f; std::memcpy(&f, p + 4 * i, 4); return f; }
+    case BF16: { uint16_t b; std::memcpy(&b, p + 2 * i, 2); return static_cast<float>(c10::BFloat16(b, c10::BFloat16::from_bits())); }
+    case F16: { uint16_t b; std::memcpy(&b, p + 2 * i, 2); return static_cast<float>(c10::Half(b, c10::Half::from_bits())); }
+    default: return static_cast<float>(c10::Half(fp8_half_bits(p[i]), c10::Half::from_bits()));
+  }
+}
+
+float row_portable(const Job& j, const uint8_t* row, const float* x, int64_t e, int64_t o) {
+  float acc[LANES] = {0};
+  if (j.wtype == MXFP4) {
+    const int64_t G = j.K / 32;
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* b = row + 16 * g;
+      const float* xg = x + 32 * g;
+      const float sc = e8m0(j.mx_scales[(e * j.O + o) * G + g]);
+      for (int l = 0; l < LANES; ++l) {
+        float blk = std::fma(FP4[b[l] & 15], xg[l], 0.0f);
+        blk = std::fma(FP4[b[l] >> 4], xg[16 + l], blk);
+        acc[l] = std::fma(blk, sc, acc[l]);
+      }
+    }
+    return reduce16(acc);
+  }
+  if (j.wtype == FP8) {
+    const float* sc = j.scales + e * j.sc_expert + static_cast<int64_t>(j.row_block[o]) * j.sc_row;
+    for (int64_t b0 = 0, nb = 0; b0 < j.K; b0 += j.bk, ++nb) {
+      float blk[LANES] = {0};
+      const int64_t b1 = std::min(b0 + j.bk, j.Kp);
+      for (int64_t c = b0; c < b1; c += LANES)
+        for (int l = 0; l < LANES; ++l) {
+          const float w = c + l < j.K ? decode(FP8, row, c + l) : 0.0f;
+          blk[l] = std::fma(w, x[c + l], blk[l]);
+        }
+      const float s = sc[nb] * 256.0f;
+      for (int l = 0; l < LANES; ++l) acc[l] = std::fma(blk[l], s, acc[l]);
+    }
+    return reduce16(acc);
+  }
+  for (int64_t c = 0; c < j.Kp; c += LANES)
+    for (int l = 0; l < LANES; ++l) {
+      const float w = c + l < j.K ? decode(j.wtype, row, c + l) : 0.0f;
+      acc[l] = std::fma(w, x[c + l], acc[l]);
+    }
+  return reduce16(acc);
+}
+
+void cols_portable(const Job& j, const uint8_t* m, const float* x, int64_t o0, int64_t o1, float* out) {
+  const int64_t eb = elem_bytes(j.wtype);
+  for (int64_t o = o0; o < o1; ++o) {
+    float acc = 0.0f;
+    for (int64_t i = 0; i < j.K; ++i) acc = std::fma(decode(j.wtype, m + i * j.O * eb, o), x[i], acc);
+    out[o] = acc;
+  }
+}
+
+// ---- AVX2 (+FMA, F16C): the 16 lanes as two 8-lane registers ----------------------------------------------------
+
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+
+AVX2_TARGET inline void load16_avx2(int64_t wtype, const uint8_t* p, __m256& lo, __m256& hi) {
+  switch (wtype) {
+    case F32: lo = _mm256_loadu_ps(reinterpret_cast<const float*>(p)); hi = _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8); break;
+    case BF16: {
+      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), 16));
+      hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)), 16));
+      break;
+    }
+    case F16: {
+      lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + 1));
+      break;
+    }
+    default: {   // FP8
+      __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                  _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+      lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+      hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+    }
+  }
+}
+
+AVX2_TARGET inline void load16_tail_avx2(int64_t wtype, const uint8_t* p, int64_t n, __m256& lo, __m256& hi) {
+  alignas(64) uint8_t tmp[64] = {0};
+  std::memcpy(tmp, p, n * elem_bytes(wtype));
+  load16_avx2(wtype, tmp, lo, hi);
+}
+
+AVX2_TARGET inline float reduce_avx2(__m256 lo, __m256 hi) {
+  alignas(32) float a[16];
+  _mm256_store_ps(a, lo);
+  _mm256_store_ps(a + 8, hi);
+  return reduce16(a);
+}
+
+AVX2_TARGET inline __m256 fp4_avx2(__m128i codes8) {   // 8 codes (low 8 bytes, epi32 after cvt) -> values
+  const __m256 mag = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+  __m256i c = _mm256_cvtepu8_epi32(codes8);
+  __m256 v = _mm256_permutevar8x32_ps(mag, _mm256_and_si256(c, _mm256_set1_epi32(7)));
+  __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(8)), 28);
+  return _mm256_xor_ps(v, _mm256_castsi256_ps(sign));
+}
+
+// Rows [o0, o1) of expert e for the pairs `toks` (each row read once for all of them).
+template <int64_t WT>
+AVX2_TARGET void rows_avx2_t(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt) {
+  const uint8_t* m = expert_rows(j, e);
+  const int64_t eb = WT == MXFP4 ? 0 : elem_bytes(WT);
+  const int64_t row_bytes = WT == MXFP4 ? j.K / 2 : j.K * eb;
+  const int64_t full = j.K / LANES * LANES;
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* row = m + o * row_bytes;
+    for (int64_t t = 0; t < nt; ++t) {
+      const float* x = j.x + toks[t] * j.Kp;
+      __m256 alo = _mm256_setzero_ps(), ahi = _mm256_setzero_ps(), wlo, whi;
+      if constexpr (WT == MXFP4) {
+        const int64_t G = j.K / 32;
+        const uint8_t* sc = j.mx_scales + (e * j.O + o) * G;
+        for (int64_t g = 0; g < G; ++g) {
+          __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * g));
+          __m128i blo = _mm_and_si128(b, _mm_set1_epi8(15));
+          __m128i bhi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+          const float* xg = x + 32 * g;
+          const __m256 s = _mm256_set1_ps(e8m0(sc[g]));
+          __m256 k0 = _mm256_fmadd_ps(fp4_avx2(blo), _mm256_loadu_ps(xg), _mm256_setzero_ps());
+          __m256 k1 = _mm256_fmadd_ps(fp4_avx2(_mm_srli_si128(blo, 8)), _mm256_loadu_ps(xg + 8), _mm256_setzero_ps());
+          k0 = _mm256_fmadd_ps(fp4_avx2(bhi), _mm256_loadu_ps(xg + 16), k0);
+          k1 = _mm256_fmadd_ps(fp4_avx2(_mm_srli_si128(bhi, 8)), _mm256_loadu_ps(xg + 24), k1);
+          alo = _mm256_fmadd_ps(k0, s, alo);
+          ahi = _mm256_fmadd_ps(k1, s, ahi);
+        }
+      } else if constexpr (WT == FP8) {
+        const float* sc = j.scales + e * j.sc_expert + static_cast<int64_t>(j.row_block[o]) * j.sc_row;
+        for (int64_t b0 = 0, nb = 0; b0 < j.K; b0 += j.bk, ++nb) {
+          __m256 klo = _mm256_setzero_ps(), khi = _mm256_setzero_ps();
+          const int64_t b1 = std::min(b0 + j.bk, j.K);
+          for (int64_t c = b0; c < b1; c += LANES) {
+            if (c + LANES <= j.K) load16_avx2(FP8, row + c, wlo, whi);
+            else load16_tail_avx2(FP8, row + c, j.K - c, wlo, whi);
+            klo = _mm256_fmadd_ps(wlo, _mm256_loadu_ps(x + c), klo);
+            khi = _mm256_fmadd_ps(whi, _mm256_loadu_ps(x + c + 8), khi);
+          }
+          const __m256 s = _mm256_set1_ps(sc[nb] * 256.0f);
+          alo = _mm256_fmadd_ps(klo, s, alo);
+          ahi = _mm256_fmadd_ps(khi, s, ahi);
+        }
+      } else {
+        for (int64_t c = 0; c < full; c += LANES) {
+          load16_avx2(WT, row + c * eb, wlo, whi);
+          alo = _mm256_fmadd_ps(wlo, _mm256_loadu_ps(x + c), alo);
+          ahi = _mm256_fmadd_ps(whi, _mm256_loadu_ps(x + c + 8), ahi);
+        }
+        if (full < j.K) {
+          load16_tail_avx2(WT, row + full * eb, j.K - full, wlo, whi);
+          alo = _mm256_fmadd_ps(wlo, _mm256_loadu_ps(x + full), alo);
+          ahi = _mm256_fmadd_ps(whi, _mm256_loadu_ps(x + full + 8), ahi);
+        }
+      }
+      j.out[toks[t] * j.O + o] = reduce_avx2(alo, ahi);
+    }
+  }
+}
+
+void rows_avx2(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt) {
+  switch (j.wtype) {
+    case F32: rows_avx2_t<F32>(j, e, o0, o1, toks, nt); break;
+    case BF16: rows_avx2_t<BF16>(j, e, o0, o1, toks, nt); break;
+    case F16: rows_avx2_t<F16>(j, e, o0, o1, toks, nt); break;
+    case FP8: rows_avx2_t<FP8>(j, e, o0, o1, toks, nt); break;
+    default: rows_avx2_t<MXFP4>(j, e, o0, o1, toks, nt);
+  }
+}
+
+AVX2_TARGET void cols_avx2(const Job& j, const uint8_t* m, const float* x, int64_t o0, int64_t o1, float* out) {
+  const int64_t eb = elem_bytes(j.wtype);
+  int64_t o = o0;
+  for (; o + LANES <= o1; o += LANES) {
+    __m256 alo = _mm256_setzero_ps(), ahi = _mm256_setzero_ps(), wlo, whi;
+    for (int64_t i = 0; i < j.K; ++i) {
+      load16_avx2(j.wtype, m + (i * j.O + o) * eb, wlo, whi);
+      const __m256 xi = _mm256_set1_ps(x[i]);
+      alo = _mm256_fmadd_ps(wlo, xi, alo);
+      ahi = _mm256_fmadd_ps(whi, xi, ahi);
+    }
+    _mm256_storeu_ps(out + o, alo);
+    _mm256_storeu_ps(out + o + 8, ahi);
+  }
+  if (o < o1) cols_portable(j, m, x, o, o1, out);
+}
+
+// ---- AVX-512 (F, BW, VL) -----------------------------------------------------------------------------------------
+
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+
+AVX512_TARGET inline __m512 load16_avx512(int64_t wtype, const uint8_t* p) {
+  switch (wtype) {
+    case F32: return _mm512_loadu_ps(p);
+    case BF16: return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+    case F16: return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    default: {
+      __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                  _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+      return _mm512_cvtph_ps(h);
+    }
+  }
+}
+
+AVX512_TARGET inline __m512 load16_tail_avx512(int64_t wtype, const uint8_t* p, int64_t n) {
+  alignas(64) uint8_t tmp[64] = {0};
+  std::memcpy(tmp, p, n * elem_bytes(wtype));
+  return load16_avx512(wtype, tmp);
+}
+
+AVX512_TARGET inline float reduce_avx512(__m512 a) {
+  alignas(64) float v[16];
+  _mm512_store_ps(v, a);
+  return reduce16(v);
+}
+
+// Four rows at a time per pair: four independent accumulator chains, x loaded once for them.
+template <int64_t WT, int RI>
+AVX512_TARGET void rows_avx512_t(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt) {
+  const uint8_t* m = expert_rows(j, e);
+  const int64_t eb = WT == MXFP4 ? 0 : elem_bytes(WT);
+  const int64_t row_bytes = WT == MXFP4 ? j.K / 2 : j.K * eb;
+  const int64_t full = j.K / LANES * LANES;
+  const __m512 fp4 = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+  for (int64_t o = o0; o < o1; o += RI) {
+    const int nr = static_cast<int>(std::min<int64_t>(RI, o1 - o));
+    const uint8_t* row[4];
+    for (int r = 0; r < RI; ++r) row[r] = m + (o + std::min(r, nr - 1)) * row_bytes;
+    for (int64_t t = 0; t < nt; ++t) {
+      const float* x = j.x + toks[t] * j.Kp;
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      if constexpr (WT == MXFP4) {
+        const int64_t G = j.K / 32;
+        const uint8_t* sc[4];
+        for (int r = 0; r < RI; ++r) sc[r] = j.mx_scales + (e * j.O + o + std::min(r, nr - 1)) * G;
+        for (int64_t g = 0; g < G; ++g) {
+          const __m512 xe = _mm512_loadu_ps(x + 32 * g), xo = _mm512_loadu_ps(x + 32 * g + 16);
+          for (int r = 0; r < RI; ++r) {
+            __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row[r] + 16 * g)));
+            __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(c, _mm512_set1_epi32(15)), fp4);
+            __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), fp4);
+            __m512 k = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, _mm512_setzero_ps()));
+            acc[r] = _mm512_fmadd_ps(k, _mm512_set1_ps(e8m0(sc[r][g])), acc[r]);
+          }
+        }
+      } else if constexpr (WT == FP8) {
+        const float* sc[4];
+        for (int r = 0; r < RI; ++r)
+          sc[r] = j.scales + e * j.sc_expert + static_cast<int64_t>(j.row_block[o + std::min(r, nr - 1)]) * j.sc_row;
+        for (int64_t b0 = 0, nb = 0; b0 < j.K; b0 += j.bk, ++nb) {
+          __m512 k[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+          const int64_t b1 = std::min(b0 + j.bk, j.K);
+          for (int64_t c = b0; c < b1; c += LANES) {
+            const __m512 xv = _mm512_loadu_ps(x + c);
+            for (int r = 0; r < RI; ++r) {
+              __m512 w = c + LANES <= j.K ? load16_avx512(FP8, row[r] + c) : load16_tail_avx512(FP8, row[r] + c, j.K - c);
+              k[r] = _mm512_fmadd_ps(w, xv, k[r]);
+            }
+          }
+          for (int r = 0; r < RI; ++r) acc[r] = _mm512_fmadd_ps(k[r], _mm512_set1_ps(sc[r][nb] * 256.0f), acc[r]);
+        }
+      } else {
+        for (int64_t c = 0; c < full; c += LANES) {
+          const __m512 xv = _mm512_loadu_ps(x + c);
+          for (int r = 0; r < RI; ++r) acc[r] = _mm512_fmadd_ps(load16_avx512(WT, row[r] + c * eb), xv, acc[r]);
+        }
+        if (full < j.K) {
+          const __m512 xv = _mm512_loadu_ps(x + full);
+          for (int r = 0; r < RI; ++r)
+            acc[r] = _mm512_fmadd_ps(load16_tail_avx512(WT, row[r] + full * eb, j.K - full), xv, acc[r]);
+        }
+      }
+      for (int r = 0; r < nr; ++r) j.out[toks[t] * j.O + o + r] = reduce_avx512(acc[r]);
+    }
+  }
+}
+
+void rows_avx512(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt) {
+  switch (j.wtype) {
+    case F32: rows_avx512_t<F32, RI512>(j, e, o0, o1, toks, nt); break;
+    case BF16: rows_avx512_t<BF16, RI512>(j, e, o0, o1, toks, nt); break;
+    case F16: rows_avx512_t<F16, RI512>(j, e, o0, o1, toks, nt); break;
+    case FP8: rows_avx512_t<FP8, RI512>(j, e, o0, o1, toks, nt); break;
+    default: rows_avx512_t<MXFP4, RI512>(j, e, o0, o1, toks, nt);
+  }
+}
+
+AVX512_TARGET void cols_avx512(const Job& j, const uint8_t* m, const float* x, int64_t o0, int64_t o1, float* out) {
+  const int64_t eb = elem_bytes(j.wtype);
+  int64_t o = o0;
+  for (; o + 4 * LANES <= o1; o += 4 * LANES) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t i = 0; i < j.K; ++i) {
+      const __m512 xi = _mm512_set1_ps(x[i]);
+      const uint8_t* p = m + (i * j.O + o) * eb;
+      for (int v = 0; v < 4; ++v) acc[v] = _mm512_fmadd_ps(load16_avx512(j.wtype, p + v * LANES * eb), xi, acc[v]);
+    }
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(out + o + v * LANES, acc[v]);
+  }
+  for (; o + LANES <= o1; o += LANES) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < j.K; ++i)
+      acc = _mm512_fmadd_ps(load16_avx512(j.wtype, m + (i * j.O + o) * eb), _mm512_set1_ps(x[i]), acc);
+    _mm512_storeu_ps(out + o, acc);
+  }
+  if (o < o1) cols_portable(j, m, x, o, o1, out);
+}
+
+// ---- work items -----------------------------------------------------------------------------------------------------
+
+void run_items(const Job& j, int64_t isa, int64_t begin, int64_t end) {
+  for (int64_t it = begin; it < end; ++it) {
+    const int64_t grp = it / j.tiles, tile = it % j.tiles;
+    const int64_t e = j.group_expert[grp];
+    const int64_t* toks = j.order + j.group_start[grp];
+    const int64_t nt = j.group_start[grp + 1] - j.group_start[grp];
+    if (!j.transposed) {
+      const int64_t o0 = tile * ROW_TILE, o1 = std::min(o0 + ROW_TILE, j.O);
+      if (isa == AVX512) rows_avx512(j, e, o0, o1, toks, nt);
+      else if (isa == AVX2) rows_avx2(j, e, o0, o1, toks, nt);
+      else {
+        const int64_t row_bytes = j.wtype == MXFP4 ? j.K / 2 : j.K * elem_bytes(j.wtype);
+        for (int64_t o = o0; o < o1; ++o)
+          for (int64_t t = 0; t < nt; ++t)
+            j.out[toks[t] * j.O + o] = row_portable(j, expert_rows(j, e) + o * row_bytes, j.x + toks[t] * j.Kp, e, o);
+      }
+    } else {
+      const int64_t o0 = tile * COL_TILE, o1 = std::min(o0 + COL_TILE, j.O);
+      for (int64_t t = 0; t < nt; ++t) {
+        const float* x = j.x + toks[t] * j.Kp;
+        float* out = j.out + toks[t] * j.O;
+        if (isa == AVX512) cols_avx512(j, expert_rows(j, e), x, o0, o1, out);
+        else if (isa == AVX2) cols_avx2(j, expert_rows(j, e), x, o0, o1, out);
+        else cols_portable(j, expert_rows(j, e), x, o0, o1, out);
+      }
+    }
+  }
+}
+
+int64_t wtype_of(const at::Tensor& w, int64_t fmt) {
+  if (fmt == 1) return FP8;
+  if (fmt == 2) return MXFP4;
+  switch (w.scalar_type()) {
+    case at::kFloat: return F32;
+    case at::kBFloat16: return BF16;
+    case at::kHalf: return F16;
+    default: TORCH_CHECK(false, "expert_gemv: unsupported weight dtype ", w.scalar_type());
+  }
+  return F32;
+}
+
+}  // namespace
+
+// x: [S, K] float32; w: the stack; ids: [S] int64 expert of each pair; fmt: 0 float (w's dtype), 1 FP8 (w uint8
+// bytes [E, O, K], scales float32 [E, R, C], row_block int32 [O], block_k), 2 MXFP4 (w uint8 [E, O, G, 16],
+// scales uint8 [E, O, G]); transposed: float stacks held [E, K, O]; isa: 0 portable, 1 AVX2, 2 AVX-512.
+at::Tensor expert_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ids, int64_t fmt,
+                       const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& row_block,
+                       int64_t block_k, bool transposed, int64_t isa) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && ids.device().is_cpu(), "expert_gemv: cpu tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "expert_gemv: x must be [S, K] float32");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.size(0) == x.size(0),
+              "expert_gemv: ids must be [S] int64");
+  TORCH_CHECK(w.is_contiguous(), "expert_gemv: the expert stack must be contiguous");
+  const int64_t wtype = wtype_of(w, fmt);
+  const int64_t S = x.size(0), E = w.size(0);
+  int64_t O, K;
+  if (wtype == MXFP4) {
+    TORCH_CHECK(w.dim() == 4 && w.size(3) == 16 && w.scalar_type() == at::kByte, "expert_gemv: MXFP4 blocks [E, O, G, 16] uint8");
+    O = w.size(1);
+    K = w.size(2) * 32;
+    TORCH_CHECK(!transposed, "expert_gemv: MXFP4 blocks are read in their stored orientation");
+  } else {
+    TORCH_CHECK(w.dim() == 3, "expert_gemv: the expert stack must be [E, O, K]");
+    O = transposed ? w.size(2) : w.size(1);
+    K = transposed ? w.size(1) : w.size(2);
+    TORCH_CHECK(wtype != FP8 || !transposed, "expert_gemv: FP8 stacks are read in their stored orientation");
+  }
+  TORCH_CHECK(x.size(1) == K, "expert_gemv: x has ", x.size(1), " columns, the experts take ", K);
+  auto out = at::empty({S, O}, x.options());
+  if (S == 0 || O == 0) return out;
+
+  auto ids_c = ids.contiguous();
+  const int64_t* idp = ids_c.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s) TORCH_CHECK(idp[s] >= 0 && idp[s] < E, "expert_gemv: expert id ", idp[s], " out of range 0..", E - 1);
+
+  // x zero padded to a multiple of 16 (MXFP4: each group of 32 as its 16 even then its 16 odd values)
+  const int64_t Kp = (K + LANES - 1) / LANES * LANES;
+  auto xc = x.contiguous();
+  std::vector<float> xp(static_cast<size_t>(S * Kp), 0.0f);
+  const float* xs = xc.data_ptr<float>();
+  for (int64_t s = 0; s < S; ++s) {
+    float* d = xp.data() + s * Kp;
+    const float* r = xs + s * K;
+    if (wtype == MXFP4)
+      for (int64_t g = 0; g < K / 32; ++g)
+        for (int l = 0; l < 16; ++l) { d[32 * g + l] = r[32 * g + 2 * l]; d[32 * g + 16 + l] = r[32 * g + 2 * l + 1]; }
+    else
+      std::memcpy(d, r, K * sizeof(float));
+  }
+
+  // pairs grouped by expert, in ascending expert then pair order
+  std::vector<int64_t> order(S);
+  for (int64_t s = 0; s < S; ++s) order[s] = s;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return idp[a] < idp[b]; });
+  std::vector<int64_t> gstart, gexpert;
+  for (int64_t i = 0; i < S; ++i)
+    if (i == 0 || idp[order[i]] != idp[order[i - 1]]) { gstart.push_back(i); gexpert.push_back(idp[order[i]]); }
+  gstart.push_back(S);
+  const int64_t groups = static_cast<int64_t>(gexpert.size());
+
+  Job j{};
+  j.w = static_cast<const uint8_t*>(w.data_ptr());
+  j.wtype = wtype;
+  j.w_expert_bytes = w.numel() / E * w.element_size();
+  j.O = O; j.K = K; j.transposed = transposed;
+  j.x = xp.data(); j.Kp = Kp;
+  at::Tensor sc;
+  if (wtype == FP8) {
+    TORCH_CHECK(scales.has_value() && row_block.has_value(), "expert_gemv: FP8 needs scales and row_block");
+    sc = scales->contiguous();
+    TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.dim() == 3 && sc.size(0) == E, "expert_gemv: FP8 scales [E, R, C] float32");
+    TORCH_CHECK(block_k > 0 && block_k % LANES == 0, "expert_gemv: FP8 block columns must be a multiple of 16");
+    TORCH_CHECK(sc.size(2) == (K + block_k - 1) / block_k, "expert_gemv: FP8 scales have ", sc.size(2), " column blocks");
+    TORCH_CHECK(row_block->scalar_type() == at::kInt && row_block->numel() == O && row_block->is_contiguous(),
+                "expert_gemv: row_block [O] int32");
+    j.scales = sc.data_ptr<float>();
+    j.sc_expert = sc.size(1) * sc.size(2);
+    j.sc_row = sc.size(2);
+    j.row_block = row_block->data_ptr<int32_t>();
+    for (int64_t o = 0; o < O; ++o) TORCH_CHECK(j.row_block[o] >= 0 && j.row_block[o] < sc.size(1), "expert_gemv: row_block out of range");
+    j.bk = block_k;
+  } else if (wtype == MXFP4) {
+    TORCH_CHECK(scales.has_value(), "expert_gemv: MXFP4 needs scales");
+    sc = scales->contiguous();
+    TORCH_CHECK(sc.scalar_type() == at::kByte && sc.dim() == 3 && sc.size(0) == E && sc.size(1) == O &&
+                sc.size(2) == K / 32, "expert_gemv: MXFP4 scales [E, O, G] uint8");
+    j.mx_scales = sc.data_ptr<uint8_t>();
+  }
+  j.out = out.data_ptr<float>();
+  j.order = order.data();
+  j.group_start = gstart.data();
+  j.group_expert = gexpert.data();
+  j.tiles = transposed ? (O + COL_TILE - 1) / COL_TILE : (O + ROW_TILE - 1) / ROW_TILE;
+
+  const int64_t items = groups * j.tiles;
+  at::parallel_for(0, items, 1, [&](int64_t b, int64_t e) { run_items(j, isa, b, e); });
+  return out;
+}
+
+// What this CPU can run: 2 AVX-512, 1 AVX2, 0 neither.
+int64_t best_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("fma") && __builtin_cpu_supports("avx2"))
+    return AVX512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AVX2;
+  return PORTABLE;
+}
+
+TORCH_LIBRARY(moe_offload, m) {
+  m.def("expert_gemv(Tensor x, Tensor w, Tensor ids, int fmt, Tensor? scales, Tensor? row_block, int block_k, "
+        "bool transposed, int isa) -> Tensor");
+  m.def("best_isa() -> int", &best_isa);
+}
+
+TORCH_LIBRARY_IMPL(moe_offload, CPU, m) { m.impl("expert_gemv", expert_gemv); }

@@ -1,0 +1,82 @@
+"""The selected experts' matrix-vector products, read from the stored format: the Python face of csrc/expert_gemv.cpp.
+
+    out = expert_gemv(x, stack, ids)                       # out[s, o] = sum_i stack[ids[s]][o, i] * x[s, i]
+
+`stack` is an expert stack as it lies: float32 / bfloat16 / float16 [E, O, K] (or [E, K, O] with
+`transposed=True`), an `Fp8Stack` (e4m3 values [E, O, K] and float32 block scales) or an `Mxfp4Stack` (e2m1
+blocks [E, O, K/32, 16] and e8m0 scales [E, O, K/32]). The result is float32 [S, O]; the caller rounds it to
+its dtype. Only the experts named in `ids` are read, each once for all the pairs that picked it.
+
+The arithmetic is defined in the source's header and computed identically by its AVX-512, AVX2 and portable
+paths: `Isa` picks one (default: the best this CPU runs, capped by torch's own `ATEN_CPU_CAPABILITY`, so the
+suite's second kernel path runs the portable code).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .build import kernels
+
+
+class Isa(enum.IntEnum):
+    PORTABLE = 0
+    AVX2 = 1
+    AVX512 = 2
+
+
+_ATEN_CAP = {"default": Isa.PORTABLE, "avx2": Isa.AVX2, "avx512": Isa.AVX512}
+
+
+def best_isa() -> Isa:
+    """The fastest path this CPU runs, no higher than torch's ATEN_CPU_CAPABILITY when that is set."""
+    kernels()
+    best = Isa(int(torch.ops.moe_offload.best_isa()))
+    cap = _ATEN_CAP.get(os.environ.get("ATEN_CPU_CAPABILITY", "").lower())
+    return min(best, cap) if cap is not None else best
+
+
+@dataclass(frozen=True)
+class Fp8Stack:
+    """e4m3 values [E, O, K] (float8_e4m3fn or their uint8 bytes), float32 scales [E, R, ceil(K / block_k)],
+    `row_block` int32 [O]: the scale row of each output row (fp8_row_blocks)."""
+    values: torch.Tensor
+    scales: torch.Tensor
+    row_block: torch.Tensor
+    block_k: int
+
+
+@dataclass(frozen=True)
+class Mxfp4Stack:
+    """e2m1 blocks uint8 [E, O, G, 16] (low nibble first) and e8m0 scales uint8 [E, O, G]."""
+    blocks: torch.Tensor
+    scales: torch.Tensor
+
+
+def fp8_row_blocks(rows: int, block_rows: int, parts: int = 1) -> torch.Tensor:
+    """int32 [rows]: the scale row of each output row of an FP8 tensor made of `parts` matrices stacked by rows
+    (gate_up_proj: 2), each with its own grid of `block_rows`-row blocks (quant_codecs.fp8_scale_shape)."""
+    part_rows = rows // parts
+    per_part = -(-part_rows // block_rows)
+    o = torch.arange(rows)
+    return ((o // part_rows) * per_part + (o % part_rows) // block_rows).to(torch.int32)
+
+
+def expert_gemv(x: torch.Tensor, stack, ids: torch.Tensor, *, transposed: bool = False,
+                isa: Isa | None = None) -> torch.Tensor:
+    """float32 [S, O]: x [S, K] (any float dtype) through expert ids[s] of `stack` for each s."""
+    kernels()
+    isa = best_isa() if isa is None else Isa(isa)
+    x = x.float()
+    ids = ids.reshape(-1).long()
+    op = torch.ops.moe_offload.expert_gemv
+    if isinstance(stack, Fp8Stack):
+        values = stack.values.view(torch.uint8) if stack.values.dtype != torch.uint8 else stack.values
+        return op(x, values, ids, 1, stack.scales.float(), stack.row_block, stack.block_k, False, int(isa))
+    if isinstance(stack, Mxfp4Stack):
+        return op(x, stack.blocks, ids, 2, stack.scales, None, 0, False, int(isa))
+    return op(x, stack, ids, 0, None, None, 0, transposed, int(isa))

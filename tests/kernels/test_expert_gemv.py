@@ -1,0 +1,139 @@
+"""kernels.expert_gemv: the selected experts' products read from the stored format (kernels/csrc/expert_gemv.cpp).
+
+- one arithmetic on every CPU: each instruction-set path this CPU runs (AVX-512, AVX2) gives the portable path's
+  bits, for every stored format, tails of rows and columns, transposed stacks, shared experts;
+- the bits do not depend on the thread count, on where the stack lies (alignment), on which other pairs share the
+  call, or on whether the stack is the whole parameter or the selected experts gathered with renumbered ids;
+- the values are the products of the stored weights, within float32 rounding of a float64 reference (FP8 and
+  MXFP4 against formats/quant_codecs' dequantization);
+- bad arguments are refused with what is wrong.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_offload.formats.quant_codecs import dequantize_fp8, dequantize_mxfp4, quantize_fp8, quantize_mxfp4
+from moe_offload.kernels import Fp8Stack, Isa, Mxfp4Stack, best_isa, expert_gemv, fp8_row_blocks
+
+pytestmark = pytest.mark.exact
+
+RUNS = [i for i in Isa if i <= best_isa()]   # the paths this CPU (and ATEN_CPU_CAPABILITY) allows
+SHAPES = [(5, 37, 70), (4, 64, 128), (3, 33, 16), (2, 130, 200)]   # (experts, rows, cols): tails of 16 and 64
+IDS = [0, 2, 2, 1, 0, 1]
+
+
+def _ids(E):
+    return torch.tensor([i % E for i in IDS])
+
+
+def _reference(x, w, ids, transposed=False):
+    w = w.double().transpose(1, 2) if transposed else w.double()
+    return torch.einsum("sok,sk->so", w[ids], x.double())
+
+
+def _all_paths(x, stack, ids, **kw):
+    outs = [expert_gemv(x, stack, ids, isa=i, **kw) for i in RUNS]
+    for isa, out in zip(RUNS, outs):
+        assert torch.equal(out, outs[0]), f"{isa.name} differs from {RUNS[0].name}"
+    return outs[0]
+
+
+def test_this_cpu_runs_a_vector_path():
+    # every x86-64 CPU of the last decade has AVX2; the suite's second kernel path caps it at the portable one
+    assert Isa.PORTABLE in RUNS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_float_stacks_every_path_one_result(dtype, transposed, shape):
+    E, O, K = shape
+    g = torch.Generator().manual_seed(O * K)
+    w = torch.randn(E, O, K, generator=g).to(dtype)
+    x = torch.randn(len(IDS), K, generator=g)
+    ids = _ids(E)
+    stack = w.transpose(1, 2).contiguous() if transposed else w
+    out = _all_paths(x, stack, ids, transposed=transposed)
+    assert out.shape == (len(IDS), O) and out.dtype == torch.float32
+    want = _reference(x, w, ids)
+    assert want.abs().max() > 1
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-5 * K ** 0.5)
+
+
+def test_fp8_block_scales_with_stacked_parts_and_partial_blocks():
+    E, I, K = 3, 200, 300                       # gate and up of 200 rows each: 2 x 2 row blocks; 3 column blocks
+    g = torch.Generator().manual_seed(1)
+    gate, up = torch.randn(E, I, K, generator=g), torch.randn(E, I, K, generator=g) * 3
+    qg, sg = quantize_fp8(gate, (128, 128))
+    qu, su = quantize_fp8(up, (128, 128))
+    values, scales = torch.cat([qg, qu], 1), torch.cat([sg, su], 1)
+    rows = fp8_row_blocks(2 * I, 128, parts=2)
+    assert rows[:I].max() == 1 and rows[I] == 2 and rows[-1] == 3
+    x = torch.randn(len(IDS), K, generator=g)
+    ids = _ids(E)
+    out = _all_paths(x, Fp8Stack(values, scales, rows, 128), ids)
+    deq = dequantize_fp8(values, scales, (128, 128), dtype=torch.float32, parts=2)
+    torch.testing.assert_close(out.double(), _reference(x, deq, ids), rtol=0, atol=1e-4)
+    # the values as float8 or as their bytes: one result
+    assert torch.equal(expert_gemv(x, Fp8Stack(values.view(torch.uint8), scales, rows, 128), ids), out)
+
+
+def test_mxfp4_blocks_as_gpt_oss_stores_them():
+    E, O, K = 3, 50, 96
+    g = torch.Generator().manual_seed(2)
+    blocks, scales = quantize_mxfp4(torch.randn(E, O, K, generator=g) * 4)
+    x = torch.randn(len(IDS), K, generator=g)
+    ids = _ids(E)
+    out = _all_paths(x, Mxfp4Stack(blocks, scales), ids)
+    deq = dequantize_mxfp4(blocks, scales, dtype=torch.float32)   # [E, K, O], transformers' orientation
+    torch.testing.assert_close(out.double(), _reference(x, deq, ids, transposed=True), rtol=0, atol=1e-4)
+
+
+def test_bits_do_not_depend_on_threads_alignment_or_company():
+    E, O, K = 6, 130, 200
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(E, O, K, generator=g).to(torch.bfloat16)
+    x = torch.randn(8, K, generator=g)
+    ids = torch.tensor([5, 1, 1, 3, 0, 5, 2, 4])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = expert_gemv(x, w, ids)
+        torch.set_num_threads(2)
+        two = expert_gemv(x, w, ids)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    # the same stack two bytes off its allocation's alignment
+    buf = torch.empty(w.numel() + 1, dtype=w.dtype)
+    shifted = buf[1:].view(w.shape)
+    shifted.copy_(w)
+    assert shifted.data_ptr() % 64 != w.data_ptr() % 64 or shifted.data_ptr() % 4
+    assert torch.equal(expert_gemv(x, shifted, ids), one)
+    # each pair alone: the same bits as in company
+    for s in range(len(ids)):
+        assert torch.equal(expert_gemv(x[s:s + 1], w, ids[s:s + 1]), one[s:s + 1])
+    # the selected experts gathered, ids renumbered (what the gathering path hands the kernel)
+    selected = torch.unique(ids)
+    local = torch.searchsorted(selected, ids)
+    assert torch.equal(expert_gemv(x, w.index_select(0, selected), local), one)
+
+
+def test_second_kernel_path_setting_caps_the_instruction_set(monkeypatch):
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    assert best_isa() is Isa.PORTABLE
+
+
+def test_bad_arguments_are_refused():
+    w = torch.randn(4, 8, 32)
+    x = torch.randn(2, 32)
+    with pytest.raises(RuntimeError, match="expert id 4 out of range 0..3"):
+        expert_gemv(x, w, torch.tensor([0, 4]))
+    with pytest.raises(RuntimeError, match="x has 16 columns, the experts take 32"):
+        expert_gemv(torch.randn(2, 16), w, torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        expert_gemv(x, w.transpose(1, 2), torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="unsupported weight dtype"):
+        expert_gemv(x, w.to(torch.float64), torch.tensor([0, 1]))
