@@ -211,29 +211,47 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--json", action="store_true", help="print the per-layer skew summary as one JSON document")
     pr.set_defaults(func=cmd_profile)
 
-    t = sub.add_parser("make-tiny", help="write a small random-weight model folder")
+    t = sub.add_parser("make-tiny", help="write a small random-weight model folder (or one of a released model's "
+                                         "shape: --like)")
     from ..tiny.families import FAMILIES
+    from ..tiny.like_config import bundled_names
 
     t.add_argument("dir", help="the folder to write (new, or empty)")
-    t.add_argument("--family", required=True, metavar="F",
-                   help=f"a transformers model family: {', '.join(FAMILIES)}")
-    t.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
-    t.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer (default 8)")
-    t.add_argument("--top-k", type=int, default=2, help="experts each token is routed to (default 2)")
-    t.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
-    t.add_argument("--heads", type=int, default=4, help="attention (query) heads (default 4)")
+    t.add_argument("--family", metavar="F",
+                   help=f"a transformers model family: {', '.join(FAMILIES)} (required unless --like gives it)")
+    t.add_argument("--like", metavar="CONFIG",
+                   help="take every dimension and field of a released model's config.json: its path, a folder "
+                        f"holding it (and its generation_config.json), or a bundled one: {', '.join(bundled_names())}. "
+                        "The family is its model_type; options given here override its values (--layers N keeps it "
+                        "small; without it all of its layers are written); weights are random, in its dtype, "
+                        "quantized as its quantization_config says (gpt-oss: MXFP4)")
+    t.add_argument("--layers", type=int, help="decoder layers (default 2; with --like: the released count)")
+    t.add_argument("--experts", type=int, help="routed experts per MoE layer (default 8)")
+    t.add_argument("--top-k", type=int, help="experts each token is routed to (default 2)")
+    t.add_argument("--hidden", type=int, help="hidden size (default 64)")
+    t.add_argument("--heads", type=int, help="attention (query) heads (default 4)")
     t.add_argument("--kv-heads", type=int, help="key/value heads (default heads / 2, or heads where that is odd; "
                    "always heads for deepseek_v2/v3 and olmoe)")
     t.add_argument("--head-dim", type=int, help="width of each attention head (default hidden / heads); families "
                    "with a head_dim field (qwen3_moe, mixtral, gpt_oss, ...) take any multiple of 4 whatever the "
                    "hidden size, e.g. 64 or 128 as engines' kernels expect")
+    t.add_argument("--expert-ffn", type=int, metavar="N",
+                   help="each routed expert's intermediate size (default 1.5 x hidden; Qwen3-30B-A3B: 768)")
+    t.add_argument("--dense-ffn", type=int, metavar="N",
+                   help="the dense MLP's intermediate size, and the shared expert's where the family sizes it so "
+                        "(qwen2_moe) (default 2 x hidden; families without one, such as mixtral and gpt_oss, refuse "
+                        "it)")
+    t.add_argument("--vocab", type=int, metavar="N",
+                   help="vocabulary size: the embedding, the LM head and the tokenizer written, whose ids all lie "
+                        "below N (default 512; at least 260)")
     t.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     t.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
                    help="dtype of the saved (unquantized) weights (default float32; bfloat16 with --quant, as the "
-                        "released quantized checkpoints store them)")
-    t.add_argument("--quant", choices=["fp8", "mxfp4"],
+                        "released quantized checkpoints store them; with --like: the config's torch_dtype)")
+    t.add_argument("--quant", choices=["fp8", "mxfp4", "none"],
                    help="write the checkpoint quantized, in the released on-disk format: fp8 (e4m3 + "
-                        "weight_scale_inv block scales, as DeepSeek-V3 / Qwen3-FP8) or mxfp4 (gpt-oss experts)")
+                        "weight_scale_inv block scales, as DeepSeek-V3 / Qwen3-FP8) or mxfp4 (gpt-oss experts); "
+                        "none: unquantized (with --like: even where the config has a quantization_config)")
     t.set_defaults(func=cmd_make_tiny)
     return parser
 

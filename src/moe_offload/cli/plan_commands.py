@@ -131,12 +131,32 @@ def cmd_export(args) -> int:
 
 
 def cmd_make_tiny(args) -> int:
+    import json
+
+    from ..planning.placement import format_bytes
+    from ..tiny.make_like import make_like
     from ..tiny.make import make_tiny
 
+    quant = args.quant
     try:
-        out = make_tiny(args.dir, family=args.family, layers=args.layers, experts=args.experts, top_k=args.top_k,
-                        hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                        seed=args.seed, dtype=args.dtype, quant=args.quant)
+        if args.like is not None:
+            out = make_like(args.dir, args.like, family=args.family, layers=args.layers, experts=args.experts,
+                            top_k=args.top_k, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+                            head_dim=args.head_dim, expert_ffn=args.expert_ffn, dense_ffn=args.dense_ffn,
+                            vocab_size=args.vocab, seed=args.seed, dtype=args.dtype, quant=quant)
+        else:
+            if args.family is None:
+                raise MoeOffloadError("make-tiny needs --family F (a transformers model family) or --like CONFIG "
+                                      "(a released model's config.json, whose model_type is the family)")
+
+            def given(value, default):
+                return default if value is None else value
+
+            out = make_tiny(args.dir, family=args.family, layers=given(args.layers, 2),
+                            experts=given(args.experts, 8), top_k=given(args.top_k, 2), hidden=given(args.hidden, 64),
+                            heads=given(args.heads, 4), kv_heads=args.kv_heads, head_dim=args.head_dim,
+                            expert_ffn=args.expert_ffn, dense_ffn=args.dense_ffn, vocab_size=given(args.vocab, 512),
+                            seed=args.seed, dtype=args.dtype, quant=None if quant == "none" else quant)
     except ValueError as exc:
         raise MoeOffloadError(str(exc)) from exc
     except OSError as exc:
@@ -144,5 +164,13 @@ def cmd_make_tiny(args) -> int:
             raise MoeOffloadError(str(exc)) from exc
         raise MoeOffloadError(f"cannot write a tiny model to {args.dir}: {exc.strerror} ({exc.filename}); "
                               "choose a new or empty directory you can write to") from exc
-    print(f"wrote a tiny {args.family} model to {out}")
+    record = json.loads((out / "moe_offload_tiny.json").read_text())
+    like = record.get("like")
+    if like is None:
+        print(f"wrote a tiny {record['family']} model to {out}")
+    else:
+        size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+        print(f"wrote a {record['family']} model like {like['source']} ({record['layers']} of its "
+              f"{like['released_layers']} layers, {format_bytes(size)} of weights"
+              f"{', ' + record['quant'] if record['quant'] else ''}) to {out}")
     return 0

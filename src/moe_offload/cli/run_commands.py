@@ -66,11 +66,13 @@ def cmd_generate(args) -> int:
     if enc["input_ids"].shape[1] == 0:
         raise MoeOffloadError("the prompt encodes to no tokens: give a non-empty --prompt")
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    from ..measure.timing import TokenClock, past_eos
+
     if args.ignore_eos:
         # No EOS token at all for this call: decoding runs on past it with the same greedy choices
-        # (min_new_tokens would instead forbid the EOS token and so change the text).
-        kwargs["eos_token_id"] = []
-    from ..measure.timing import TokenClock
+        # (min_new_tokens would instead forbid the EOS token and so change the text); a pad token given
+        # where the checkpoint has none (transformers would take the first EOS id, and there is none left).
+        kwargs.update(past_eos(model, tokenizer))
     from ..run.compiled import compile_kwargs, compile_seconds, decoding
 
     if args.compile:

@@ -25,6 +25,7 @@ from ..errors import MoeOffloadError
 from ..run.state import RoutedCall
 from ..planning.placement import Plan
 from ..formats.traces import Phase, TraceHeader, TraceRow, TraceWriter, read_trace, skew_summary
+from .timing import pad_token_id, past_eos
 
 DEFAULT_MAX_NEW_TOKENS = 32
 
@@ -104,10 +105,9 @@ def record(model, tokenizer, prompts: Sequence[str], writer: TraceWriter, *, max
     predictions, handles = _predicting(model, calls) if predict else (None, [])
     kwargs = dict(max_new_tokens=max_new_tokens + 1, do_sample=False)
     if ignore_eos:
-        kwargs["eos_token_id"] = []     # no EOS at all for this call: exactly max_new_tokens decode steps
-    pad = getattr(model.generation_config, "pad_token_id", None)
-    if pad is None:
-        kwargs["pad_token_id"] = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        kwargs.update(past_eos(model, tokenizer))   # no EOS at all for this call: exactly max_new_tokens decode steps
+    elif getattr(model.generation_config, "pad_token_id", None) is None:
+        kwargs["pad_token_id"] = pad_token_id(model, tokenizer)
     out = []
     previous = runtime.recorder
     runtime.recorder = calls.append

@@ -121,6 +121,31 @@ def greedy(model, enc, max_new_tokens: int, device: torch.device, meter=None) ->
     return Run(ttft, itl, last - start, link, torch.cat(tokens, dim=1).cpu())
 
 
+def pad_token_id(model, tokenizer=None) -> int:
+    """The pad token a generate() call can be given when the model's generation config has none: what transformers
+    itself takes (the first EOS id), else the tokenizer's pad / EOS token, else 0."""
+    gen = model.generation_config
+    if gen.pad_token_id is not None:
+        return gen.pad_token_id
+    eos = gen.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    for candidate in (*eos, *((tokenizer.pad_token_id, tokenizer.eos_token_id) if tokenizer is not None else ())):
+        if isinstance(candidate, int):
+            return candidate
+    return 0
+
+
+def past_eos(model, tokenizer=None) -> dict:
+    """generate() keyword arguments that decode on past every EOS (exactly max_new_tokens tokens, the same greedy
+    choices): no EOS token at all, and an explicit pad token where the generation config has none.
+
+    transformers fills a missing pad token with the first EOS id (`_prepare_special_tokens`); with the EOS list
+    emptied it indexes an empty tensor and ends in IndexError. Released configs have no pad_token_id (Qwen3's
+    config.json, Mixtral's generation_config.json), so `--ignore-eos` and bench met it on them. With no sequence
+    ever finishing, the pad is never written."""
+    return {"eos_token_id": [], "pad_token_id": pad_token_id(model, tokenizer)}
+
+
 class TokenClock:
     """A generate() streamer that notes when each token arrives (the first `put` is the prompt)."""
 
@@ -152,8 +177,8 @@ def greedy_generate(model, enc, max_new_tokens: int, device: torch.device, **gen
     _sync(device)
     start = time.perf_counter()
     with decoding(model) if "compile_config" in generate_kwargs else contextlib.nullcontext():
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=[], streamer=clock, **generate_kwargs)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, streamer=clock,
+                             **past_eos(model), **generate_kwargs)
     _sync(device)
     times = [start, *clock.times]
     itl = [b - a for a, b in zip(times[1:], times[2:])]

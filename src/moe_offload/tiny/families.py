@@ -20,7 +20,8 @@ import enum
 from typing import Any, Callable
 
 __all__ = ["FAMILIES", "AUTO_CLASSES", "QUANT_FAMILIES", "MIN_EXPERTS", "EXACT_TOP_K", "HEADS", "MAX_POSITIONS",
-           "HEAD_DIM_FIELD", "KV_HEADS_ARE_HEADS", "RELEASED_TRANSPOSED", "family_config", "quant_skips"]
+           "HEAD_DIM_FIELD", "KV_HEADS_ARE_HEADS", "RELEASED_TRANSPOSED", "Size", "family_config", "size_fields",
+           "quant_skips"]
 
 # Attention heads of a tiny model unless make-tiny is given --heads / --kv-heads / --head-dim (heads.py
 # resolves them). Four heads with two KV heads exercises grouped-query attention while keeping the
@@ -151,6 +152,12 @@ AUTO_CLASSES: dict[str, str] = {
     f: ("AutoModelForImageTextToText" if f == "qwen3_vl_moe" else "AutoModelForCausalLM")
     for f in FAMILIES
 }
+
+
+def size_fields(family: str, size: Size) -> list[str]:
+    """The config fields (of the text config, for qwen3_vl_moe) that hold `size` in `family`'s models:
+    `size_fields("qwen2_moe", Size.DENSE_FFN)` == ["intermediate_size", "shared_expert_intermediate_size"]."""
+    return [name for name, value in FIELDS[family].items() if value is size]
 
 
 # --- fields that depend on more than one size ----------------------------------------------

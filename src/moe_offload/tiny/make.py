@@ -28,32 +28,31 @@ family except ``qwen3_vl_moe``, which transformers only registers as an image-te
 Nothing is downloaded. The same arguments always give byte-identical weights. A progress bar
 (bytes written) shows on a terminal.
 
-Here: the argument and target checks, and the writing. Each family's config fields are families.py's, its
-attention heads heads.py's, the quantized rewrite (``quant=``) quantize.py's.
+Here: the argument checks and the config of the model asked for. Each family's config fields are families.py's,
+its attention heads heads.py's, the writing (target checks, streamed weights, atomic rename) write.py's, the
+quantized rewrite (``quant=``) quantize.py's; a released model's shape (``--like``) make_like.py's.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from .families import (AUTO_CLASSES, EXACT_TOP_K, FAMILIES, MAX_POSITIONS, MIN_EXPERTS, QUANT_FAMILIES,
-                       RELEASED_TRANSPOSED, family_config, quant_skips)
+                       Size, family_config, quant_skips, size_fields)
 from .heads import attention_sizes, invalid
 from .tokenizer import BYTE_ALPHABET, VISION_TOKENS, build_tokenizer, family_special_tokens
+from .write import Quantize, check_target, write_model
 
-__all__ = ["DTYPES", "make_tiny"]
+__all__ = ["DTYPES", "make_tiny", "canonical_dtype", "check_quant", "check_width"]
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
-def _canonical_dtype(dtype: str) -> str:
+def canonical_dtype(dtype: str) -> str:
     name = _DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower())
     if name not in DTYPES:
         raise invalid(
@@ -117,7 +116,9 @@ def _check_args(
         )
 
 
-def _check_quant(quant: str | None, family: str, hidden: int) -> None:
+def check_quant(quant: str | None, family: str, hidden: int, expert_ffn: int | None = None) -> None:
+    """Refuse a `quant` the family is not written in, or expert sizes MXFP4 cannot group (`expert_ffn` None:
+    make-tiny's default width, 1.5 x hidden)."""
     if quant is None:
         return
     if quant not in QUANT_FAMILIES:
@@ -127,44 +128,24 @@ def _check_quant(quant: str | None, family: str, hidden: int) -> None:
         raise invalid(f"quant={quant!r} is not available for {family}",
                     f"{quant} checkpoints are written for {', '.join(QUANT_FAMILIES[quant])}",
                     "pick one of these families, or another quant")
-    if quant == "mxfp4" and hidden % 64:
+    if quant == "mxfp4" and expert_ffn is None and hidden % 64:
         raise invalid(f"hidden={hidden} is invalid for mxfp4",
                     "MXFP4 groups 32 values along each input dimension: the hidden size and the experts' "
                     "width (1.5 x hidden) must both be multiples of 32", "pass a multiple of 64, e.g. 64")
+    if quant == "mxfp4" and expert_ffn is not None and (hidden % 32 or expert_ffn % 32):
+        raise invalid(f"hidden={hidden} and expert_ffn={expert_ffn} are invalid for mxfp4",
+                    "MXFP4 groups 32 values along each input dimension: the hidden size and the experts' "
+                    "width must both be multiples of 32", "pass multiples of 32, e.g. 64")
 
 
-def _check_target(out: Path) -> None:
-    """Refuse a target make_tiny could not fill, before anything is built: FileExistsError (a file, or a
-    non-empty folder), NotADirectoryError (a path through a file), PermissionError (nowhere to write)."""
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(
-            f"cannot write a tiny model to {out}: it exists and is not a directory. "
-            "Fix: choose a new path or remove that file."
-        )
-    if out.is_dir() and any(out.iterdir()):
-        raise FileExistsError(
-            f"cannot write a tiny model to {out}: the directory is not empty and make_tiny never "
-            "overwrites existing files. Fix: choose a new or empty directory, or delete this one first."
-        )
-    # The folder is built next to `out` and renamed into place: its nearest existing ancestor must be a
-    # directory we can create things in. Probed by doing it, since permission bits say nothing for root
-    # (or on read-only and virtual file systems such as /sys).
-    base = out.parent
-    while not base.exists():
-        base = base.parent
-    if not base.is_dir():
-        raise NotADirectoryError(
-            f"cannot write a tiny model to {out}: {base} is a file, not a directory. "
-            "Fix: choose a path whose parents are directories."
-        )
-    try:
-        probe = tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=base)
-    except OSError as exc:
-        raise PermissionError(
-            f"cannot write a tiny model to {out}: nothing can be created in {base} ({exc.strerror}). "
-            "Fix: choose a directory you can write to."
-        ) from exc
-    os.rmdir(probe)
+def check_width(name: str, value: int | None) -> None:
+    """A width (expert_ffn, dense_ffn, vocab_size...) given by the caller is a positive int."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(f"{name}={value!r} is not an integer", f"{name} counts model units", "pass an int")
+    if value < 1:
+        raise invalid(f"{name}={value} is invalid", f"a layer needs {name} >= 1", f"pass {name} >= 1")
 
 
 def make_tiny(
@@ -178,6 +159,8 @@ def make_tiny(
     heads: int | None = None,
     kv_heads: int | None = None,
     head_dim: int | None = None,
+    expert_ffn: int | None = None,
+    dense_ffn: int | None = None,
     seed: int = 0,
     dtype: str | None = None,
     vocab_size: int = 512,
@@ -193,6 +176,11 @@ def make_tiny(
     "fp16" also accepted; default float32, bfloat16 with ``quant``), and a tokenizer of
     exactly ``vocab_size`` tokens (at least 260; 264 for qwen3_vl_moe and glm4_moe, whose vision
     placeholders / GLM tokens are special tokens). Returns the folder's absolute path.
+
+    Widths: ``expert_ffn`` is each routed expert's intermediate size (default 1.5 x hidden), ``dense_ffn``
+    the dense MLP's (and, where make-tiny sizes it so, the shared expert's: qwen2_moe) intermediate size
+    (default 2 x hidden; refused for families without one, such as mixtral and gpt_oss). A released model's
+    every dimension and field: :func:`moe_offload.tiny.make_like.make_like`.
 
     Attention: ``heads`` query heads (default 4), ``kv_heads`` key/value heads (default heads // 2, or
     heads where that is odd; always heads for DeepSeek's MLA and OLMoE) of ``head_dim`` each (default
@@ -218,20 +206,25 @@ def make_tiny(
     ``ValueError`` for an unknown family or impossible sizes, before writing anything.
     """
     # Released quantized checkpoints keep their unquantized tensors in bfloat16.
-    dtype = _canonical_dtype(dtype if dtype is not None else ("bfloat16" if quant else "float32"))
+    dtype = canonical_dtype(dtype if dtype is not None else ("bfloat16" if quant else "float32"))
     _check_args(family, layers, experts, top_k, hidden, vocab_size,
                 len(family_special_tokens(family)) if family in FAMILIES else 0)
     attn = attention_sizes(family, hidden, heads, kv_heads, head_dim)
-    _check_quant(quant, family, hidden)
+    check_width("expert_ffn", expert_ffn)
+    check_width("dense_ffn", dense_ffn)
+    if dense_ffn is not None and not size_fields(family, Size.DENSE_FFN):
+        raise invalid(f"dense_ffn={dense_ffn} is invalid for {family}",
+                      f"{family} has no dense MLP or shared expert: its intermediate_size is each expert's width",
+                      "leave dense_ffn out, or give expert_ffn")
+    check_quant(quant, family, hidden, expert_ffn)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise invalid(f"seed={seed!r} is not an integer", "it seeds torch's generator", "pass an int")
     out = Path(out_dir).expanduser().absolute()
-    _check_target(out)
+    check_target(out)
 
     # Heavy imports only once the arguments are known to be good.
-    import torch
     import transformers
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import AutoConfig
 
     tokenizer = build_tokenizer(vocab_size, family, MAX_POSITIONS)
     params: dict[str, Any] = dict(
@@ -240,8 +233,8 @@ def make_tiny(
         heads=attn.heads,
         kv_heads=attn.kv_heads,
         head_dim=attn.head_dim,
-        expert_ffn=3 * hidden // 2,
-        dense_ffn=2 * hidden,
+        expert_ffn=3 * hidden // 2 if expert_ffn is None else expert_ffn,
+        dense_ffn=2 * hidden if dense_ffn is None else dense_ffn,
         layers=layers,
         experts=experts,
         top_k=top_k,
@@ -255,98 +248,27 @@ def make_tiny(
         vision_token_ids={t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS},
     )
     config = AutoConfig.for_model(family, **family_config(family, params))
-    auto_cls = getattr(transformers, AUTO_CLASSES[family])
-
-    from ..formats.stream_save import meta_model
-
-    # The model as from_pretrained(dtype=...) would hold it, on the meta device: no weight exists
-    # yet; each is drawn, written and freed in turn by _write_weights.
-    model = meta_model(auto_cls, config, getattr(torch, dtype))
-    model.generation_config = GenerationConfig(
-        bos_token_id=params["bos"],
-        eos_token_id=params["eos"],
-        pad_token_id=params["pad"],
-        do_sample=False,  # greedy by default: tests and benchmarks compare exact tokens
-    )
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        # mkdtemp creates the folder 0700; give the final folder ordinary permissions.
-        tmp.chmod(0o755)
-        _write_weights(model, tmp, seed=seed, max_shard_size=max_shard_size,
-                       progress=_stderr_is_terminal() if progress is None else progress)
-        if family in RELEASED_TRANSPOSED:
-            from .released import transpose_in_place
-
-            transpose_in_place(tmp, RELEASED_TRANSPOSED[family])
-        if quant is not None:
-            from ..formats.quant import QuantFormat
-            from .quantize import quantize_checkpoint
-
-            skips = quant_skips(family, layers, quant)
-            quantize_checkpoint(tmp, model, QuantFormat(quant), modules_to_not_convert=skips)
-        tokenizer.save_pretrained(tmp)
-        record = {
-            "family": family,
-            "layers": layers,
-            "experts": experts,
-            "top_k": top_k,
-            "hidden": hidden,
-            "heads": attn.heads,
-            "kv_heads": attn.kv_heads,
-            "head_dim": attn.head_dim,
-            "seed": seed,
-            "dtype": dtype,
-            "quant": quant,
-            "vocab_size": len(tokenizer),
-            "auto_class": AUTO_CLASSES[family],
-            "transformers_version": transformers.__version__,
-        }
-        (tmp / "moe_offload_tiny.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        _check_target(out)  # someone may have filled it while we were building
-        try:
-            # POSIX rename atomically replaces an empty directory.
-            os.replace(tmp, out)
-        except OSError:
-            if out.is_dir() and not any(out.iterdir()):
-                out.rmdir()  # platforms where rename cannot replace a directory
-                os.replace(tmp, out)
-            else:
-                raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
-def _stderr_is_terminal() -> bool:
-    import sys
-
-    return sys.stderr is not None and sys.stderr.isatty()
-
-
-def _write_weights(model: Any, dest: Path, *, seed: int, max_shard_size: int | str, progress: bool) -> None:
-    """Stream the weights of meta-device ``model`` into ``dest`` (config and generation config too).
-
-    Every floating tensor is drawn in float32 and rounded to its stored dtype, so the
-    float16/bfloat16 checkpoints are roundings of the very same weights as the float32 one.
-    """
-    import torch
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from ..formats.stream_save import save_streaming
-
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True, disable=not progress) as bar:
-        task = bar.add_task("make-tiny: writing weights", total=None)
-
-        def advance(done: int, total: int, key: str) -> None:
-            where = ".".join(key.split(".")[:3])   # model.layers.7: the decoder layer being written
-            bar.update(task, completed=done, total=total, description=f"make-tiny: {where}")
-
-        # fork_rng: seed only for our own draws, leaving the caller's global RNG state as it was.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            save_streaming(model, dest, max_shard_size=max_shard_size, progress=advance)
+    record = {
+        "family": family,
+        "layers": layers,
+        "experts": experts,
+        "top_k": top_k,
+        "hidden": hidden,
+        "heads": attn.heads,
+        "kv_heads": attn.kv_heads,
+        "head_dim": attn.head_dim,
+        "expert_ffn": params["expert_ffn"],
+        "dense_ffn": params["dense_ffn"] if size_fields(family, Size.DENSE_FFN) else None,
+        "seed": seed,
+        "dtype": dtype,
+        "quant": quant,
+        "vocab_size": len(tokenizer),
+        "auto_class": AUTO_CLASSES[family],
+        "transformers_version": transformers.__version__,
+    }
+    generation = dict(bos_token_id=params["bos"], eos_token_id=params["eos"], pad_token_id=params["pad"],
+                      do_sample=False)  # greedy by default: tests and benchmarks compare exact tokens
+    quantize = None if quant is None else Quantize(quant, quant_skips(family, layers, quant))
+    return write_model(out, family=family, config=config, dtype=dtype, tokenizer=tokenizer, generation=generation,
+                       record=record, seed=seed, quantize=quantize, max_shard_size=max_shard_size,
+                       progress=progress)

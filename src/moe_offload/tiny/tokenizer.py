@@ -30,7 +30,7 @@ ids then agree between transformers and llama.cpp for text prompts, not only for
 from __future__ import annotations
 
 __all__ = ["SPECIAL_TOKENS", "VISION_TOKENS", "GLM_TOKENS", "FAMILY_TOKENS", "SENTENCEPIECE_STYLE",
-           "BYTE_ALPHABET", "LLAMA_CPP_PRE_TOKENIZER", "family_special_tokens", "build_tokenizer"]
+           "BYTE_ALPHABET", "RESERVED_SPECIAL", "LLAMA_CPP_PRE_TOKENIZER", "family_special_tokens", "build_tokenizer"]
 
 # Special tokens of the tiny tokenizer. Llama order (<unk>, <s>, </s>) plus a pad token.
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
@@ -44,6 +44,9 @@ GLM_TOKENS = ("<|endoftext|>", "[gMASK]", "<|user|>", "<|observation|>")
 FAMILY_TOKENS: dict[str, tuple[str, ...]] = {"qwen3_vl_moe": VISION_TOKENS, "glm4_moe": GLM_TOKENS}
 # Families whose released tokenizer is SentencePiece BPE, and whose llama.cpp converter reads nothing else.
 SENTENCEPIECE_STYLE = frozenset({"jamba"})
+# Reserved tokens of a vocabulary larger than the corpus supports: the first RESERVED_SPECIAL are added special
+# tokens, the rest ordinary vocabulary entries (_fill_vocab says why).
+RESERVED_SPECIAL = 1024
 BYTE_ALPHABET = 256  # all 256 byte symbols: a byte-level alphabet, or SentencePiece's <0xNN> byte fallback
 # The name llama.cpp's converter is to be given for the byte-level tokenizer (see the module docstring).
 LLAMA_CPP_PRE_TOKENIZER = "gpt-2"
@@ -107,6 +110,28 @@ def _sentencepiece_style(vocab_size: int, specials: tuple[str, ...], texts: list
     return tok
 
 
+def _fill_vocab(tok, count: int, *, first: int):
+    """`tok` with `count` more ordinary vocabulary entries ``<|reserved_{first}|>``, ... at the next ids (before
+    the added reserved tokens: `tokenizers` numbers added tokens after the model's vocabulary when it loads one).
+
+    Beyond RESERVED_SPECIAL the top-up goes into the BPE model's vocabulary rather than the added tokens:
+    `tokenizers` builds a matcher over every added token each time a tokenizer loads (152k of them, Qwen3's
+    vocabulary size, took 3.9 s a load and 28 MB on disk; as vocabulary entries 0.1 s and 5 MB). No merge
+    produces them, so text never encodes to them; decoded, they read as their names (their characters are
+    printable ASCII, which the byte-level alphabet maps to themselves)."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    start = tok.get_vocab_size(with_added_tokens=True)
+    assert start == len(vocab), "added tokens outside the model's vocabulary come after it"
+    for i in range(count):
+        vocab[f"<|reserved_{first + i}|>"] = start + i
+    return Tokenizer.from_str(json.dumps(data))
+
+
 def build_tokenizer(vocab_size: int, family: str, max_len: int):
     """Train `family`'s tiny tokenizer on the built-in corpus with exactly ``vocab_size`` tokens."""
     from tokenizers import processors
@@ -124,8 +149,10 @@ def build_tokenizer(vocab_size: int, family: str, max_len: int):
     # A few KB of text only supports so many merges; top a large vocab up with reserved
     # special tokens (as Llama 3 and Qwen do) so the size is exactly what was asked for.
     missing = vocab_size - tok.get_vocab_size(with_added_tokens=True)
+    if missing > RESERVED_SPECIAL:
+        tok = _fill_vocab(tok, missing - RESERVED_SPECIAL, first=RESERVED_SPECIAL)
     if missing > 0:
-        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(missing)])
+        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(min(missing, RESERVED_SPECIAL))])
     bos_id = tok.token_to_id(BOS)
     # Prepend <s> like Llama/Mixtral tokenizers, so a prompt never starts the model cold.
     tok.post_processor = processors.TemplateProcessing(
