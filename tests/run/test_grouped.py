@@ -17,18 +17,16 @@ import pytest
 import torch
 
 import moe_offload as mo
+from fixtures_experts import experts_module as _experts_module, generate_new, offload_way, routed_tensors
 from fixtures_models import load, prompt_ids
 from moe_offload.errors import MoeOffloadError
 from moe_offload.measure.timing import _forward_keywords
-from moe_offload.planning.placement import GiB
-from moe_offload.run.experts import is_experts_module
 from moe_offload.run.compute import ExpertsCompute, ExpertsMode
 from moe_offload.run.grouped import GROUPED_MAX_ROWS, grouped_experts, original_forward
 from moe_offload.tiny.make import make_tiny
 
 SIZES = dict(layers=2, experts=8, hidden=64)
 CONVENTIONS = ("qwen3_moe", "gpt_oss", "mixtral", "granitemoe", "deepseek_v3", "olmoe")
-NEW = 6
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +43,6 @@ def folder(tmp_path_factory):
         return made[key]
 
     return get
-
-
-def _experts_module(model):
-    return next(m for m in model.modules() if is_experts_module(m))
 
 
 def _call(model, rows: int, seed: int = 0):
@@ -124,46 +118,6 @@ def test_unknown_experts_mode_is_refused(folder):
 
 # --- bit-identity with the resident grouped model ------------------------------------------------------------
 
-def _generate(model, ids):
-    """(sequences [1, n + NEW], logits of every new token [NEW, V]); EOS never stops it."""
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
-                             eos_token_id=[], pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    assert out.sequences.shape[1] == ids.shape[1] + NEW
-    return out.sequences, torch.cat(out.logits)
-
-
-def _routed(plan):
-    return [t for t in plan.tensors if t.role == "routed_expert"]
-
-
-def _is_split(t) -> bool:
-    return 0 < t.host_experts < t.shape[0]
-
-
-def _offload(way: str, plan0) -> tuple[dict, callable]:
-    """Load options of an offload way, from a zero-budget plan's sizes, and the check its plan must pass."""
-    embed = sum(t.bytes for t in plan0.tensors if t.role == "embedding")
-    routed = sum(t.bytes for t in _routed(plan0))
-    whole = dict(offload_gb=(embed + routed) / GiB)         # the embedding and every routed tensor, whole
-
-    def whole_on_host(p):
-        return all(t.tier == "host" and t.host_experts == t.shape[0] for t in _routed(p))
-
-    if way == "uva":
-        return whole, whole_on_host
-    if way == "prefetch":
-        return dict(whole, backend="prefetch"), whole_on_host
-    if way == "cache":
-        return dict(whole, cache_gb=(routed // 8) / GiB), whole_on_host
-    if way == "split":
-        return dict(offload_gb=(embed + routed * 5 // 8) / GiB), lambda p: any(map(_is_split, _routed(p)))
-    assert way == "disk"
-    return (dict(device_memory_gb=(plan0.total_bytes - routed // 2) / GiB, reserve_gb=0,
-                 host_memory_gb=(routed // 4) / GiB),
-            lambda p: any(t.tier == "disk" for t in _routed(p)) and any(t.tier == "host" for t in _routed(p)))
-
-
 @pytest.fixture(scope="module")
 def resident(folder):
     """(family, make_tiny options) -> (prompt ids, generation of the model with nothing offloaded, grouped)."""
@@ -175,7 +129,7 @@ def resident(folder):
             path = folder(family, **kw)
             ids = prompt_ids(path, 10)
             model, _ = load(path, offload_gb=0, experts="grouped")
-            done[key] = ids, _generate(model, ids)
+            done[key] = ids, generate_new(model, ids)
         return done[key]
 
     return get
@@ -192,12 +146,12 @@ CASES += [("qwen3_moe", {"quant": "fp8"}, way) for way in ("uva", "split")]   # 
 def test_offloaded_grouped_is_bitwise_the_resident_grouped(folder, resident, family, make, way):
     path = folder(family, **make)
     ids, (want_seq, want_logits) = resident(family, **make)
-    options, placed = _offload(way, mo.plan(path, offload_gb=0))
+    options, placed = offload_way(way, mo.plan(path, offload_gb=0))
     model, plan = load(path, experts="grouped", **options)
-    assert placed(plan), [(t.name, t.tier, t.host_experts) for t in _routed(plan)]
+    assert placed(plan), [(t.name, t.tier, t.host_experts) for t in routed_tensors(plan)]
     rt = model.moe_offload_runtime
     assert rt.compute.mode is ExpertsMode.GROUPED
-    seq, logits = _generate(model, ids)
+    seq, logits = generate_new(model, ids)
     assert rt.compute._kernel is not None                  # the decode steps ran the grouped kernel
     if make.get("dtype"):
         assert _experts_module(model).down_proj.dtype == torch.bfloat16   # the experts compute in bf16
@@ -233,7 +187,7 @@ def _teacher_forced(model, ids, prompt: int):
 def test_link_bytes_are_the_same_for_eager_and_grouped(folder, way):
     path = folder("qwen3_moe")
     ids = prompt_ids(path, 16)
-    options, placed = _offload(way, mo.plan(path, offload_gb=0))
+    options, placed = offload_way(way, mo.plan(path, offload_gb=0))
     runs = {}
     for mode in ("eager", "grouped"):
         model, plan = load(path, experts=mode, **options)

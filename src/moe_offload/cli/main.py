@@ -99,11 +99,14 @@ def _runtime_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-read", choices=["direct", "mmap"], default="direct",
                    help="how the disk tier reads the checkpoint: direct (default: O_DIRECT, the page cache "
                         "bypassed, our caches decide) or mmap (a memory map: the page cache decides, as llama.cpp)")
-    p.add_argument("--experts", choices=["eager", "grouped"], default="eager",
-                   help="eager: the experts class's own loop (default: the model's arithmetic, as transformers); "
-                        "grouped: a decode step's selected experts computed together, one fused gather-GEMV kernel "
-                        "per projection (about 2x the decode speed after a few seconds of compiling; tokens "
-                        "identical to the model loaded with nothing offloaded, grouped)")
+    p.add_argument("--experts", choices=["auto", "fused", "eager", "grouped"], default="auto",
+                   help="how a step's selected experts are computed. auto (default): fused where moe-offload's CPU "
+                        "kernels run (a CPU device on which they build; else eager, and the report says why); "
+                        "fused: the CPU kernels read each selected expert in its stored format (bf16, FP8 blocks, "
+                        "MXFP4 blocks) where it lies, nothing dequantized, float32 accumulation (calls of up to 16 "
+                        "rows; longer prefills by the eager loop); eager: the experts class's own loop (the model's "
+                        "arithmetic, as transformers); grouped: one inductor-compiled gather-GEMV per projection. "
+                        "Tokens are identical to the model loaded with nothing offloaded under the same choice")
     p.add_argument("--compile", action="store_true",
                    help="decode through the compiled step (torch.compile, static KV cache; CUDA graphs on CUDA): "
                         "the first step compiles (compile_s, reported apart), later ones run the graph")

@@ -33,7 +33,6 @@ the loops that do the arithmetic are the same whatever stack the rows come from)
 from __future__ import annotations
 
 import shutil
-import types
 from typing import Callable
 
 import torch
