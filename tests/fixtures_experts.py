@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from fixtures_models import load, prompt_ids
+
 from moe_offload.planning.placement import GiB
 from moe_offload.run.experts import is_experts_module
+from moe_offload.tiny.make import make_tiny
 
 NEW = 6
 
@@ -55,3 +58,36 @@ def offload_way(way: str, plan0) -> tuple[dict, callable]:
             lambda p: any(t.tier == "disk" for t in routed_tensors(p)) and any(t.tier == "host" for t in routed_tensors(p)))
 
 
+
+
+SIZES = dict(layers=2, experts=8, hidden=64)
+
+
+def folder_maker(root):
+    """folder(family, **make_tiny options) -> a tiny model folder under `root` (SIZES), made once."""
+    made = {}
+
+    def get(family, **kw):
+        key = (family, *sorted(kw.items()))
+        if key not in made:
+            name = "-".join([family, *(f"{k}{v}" for k, v in sorted(kw.items()))])
+            made[key] = make_tiny(root / name, family=family, **SIZES, **kw)
+        return made[key]
+
+    return get
+
+
+def resident_maker(folder, experts: str):
+    """(family, make_tiny options) -> (prompt ids, generation of the model with nothing offloaded, `experts`)."""
+    done = {}
+
+    def get(family, **kw):
+        key = (family, *sorted(kw.items()))
+        if key not in done:
+            path = folder(family, **kw)
+            ids = prompt_ids(path, 10)
+            model, _ = load(path, offload_gb=0, experts=experts)
+            done[key] = ids, generate_new(model, ids)
+        return done[key]
+
+    return get

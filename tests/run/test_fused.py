@@ -16,30 +16,18 @@ import pytest
 import torch
 
 import moe_offload as mo
-from fixtures_experts import experts_module, generate_new, offload_way, routed_tensors
-from fixtures_models import load, prompt_ids
+from fixtures_experts import SIZES, experts_module, folder_maker, generate_new, offload_way, resident_maker, routed_tensors
+from fixtures_models import load
 from moe_offload.errors import DeviceError
 from moe_offload.run.compute import ExpertsMode, resolve_experts
 from moe_offload.run.fused import FUSED_MAX_ROWS, fused_experts
 from moe_offload.run.grouped import original_forward
-from moe_offload.tiny.make import make_tiny
 
-SIZES = dict(layers=2, experts=8, hidden=64)
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fused")
-    made = {}
-
-    def get(family, **kw):
-        key = (family, *sorted(kw.items()))
-        if key not in made:
-            name = "-".join([family, *(f"{k}{v}" for k, v in sorted(kw.items()))])
-            made[key] = make_tiny(root / name, family=family, **SIZES, **kw)
-        return made[key]
-
-    return get
+    return folder_maker(tmp_path_factory.mktemp("fused"))
 
 
 @pytest.mark.parametrize("family", ("qwen3_moe", "gpt_oss", "mixtral", "deepseek_v3", "olmoe"))
@@ -60,18 +48,7 @@ def test_fused_experts_equals_the_class_forward(folder, family):
 
 @pytest.fixture(scope="module")
 def resident(folder):
-    done = {}
-
-    def get(family, **kw):
-        key = (family, *sorted(kw.items()))
-        if key not in done:
-            path = folder(family, **kw)
-            ids = prompt_ids(path, 10)
-            model, _ = load(path, offload_gb=0, experts="fused")
-            done[key] = ids, generate_new(model, ids)
-        return done[key]
-
-    return get
+    return resident_maker(folder, "fused")
 
 
 CASES = [(f, {}, way) for f in ("qwen3_moe", "gpt_oss") for way in ("uva", "prefetch", "split", "disk", "cache")]

@@ -17,32 +17,19 @@ import pytest
 import torch
 
 import moe_offload as mo
-from fixtures_experts import experts_module as _experts_module, generate_new, offload_way, routed_tensors
+from fixtures_experts import SIZES, experts_module as _experts_module, folder_maker, generate_new, offload_way, resident_maker, routed_tensors
 from fixtures_models import load, prompt_ids
 from moe_offload.errors import MoeOffloadError
 from moe_offload.measure.timing import _forward_keywords
 from moe_offload.run.compute import ExpertsCompute, ExpertsMode
 from moe_offload.run.grouped import GROUPED_MAX_ROWS, grouped_experts, original_forward
-from moe_offload.tiny.make import make_tiny
 
-SIZES = dict(layers=2, experts=8, hidden=64)
 CONVENTIONS = ("qwen3_moe", "gpt_oss", "mixtral", "granitemoe", "deepseek_v3", "olmoe")
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """folder(family, **make_tiny options) -> a tiny model folder, made once per module."""
-    root = tmp_path_factory.mktemp("grouped")
-    made = {}
-
-    def get(family, **kw):
-        key = (family, *sorted(kw.items()))
-        if key not in made:
-            name = "-".join([family, *(f"{k}{v}" for k, v in sorted(kw.items()))])
-            made[key] = make_tiny(root / name, family=family, **SIZES, **kw)
-        return made[key]
-
-    return get
+    return folder_maker(tmp_path_factory.mktemp("grouped"))
 
 
 def _call(model, rows: int, seed: int = 0):
@@ -120,19 +107,7 @@ def test_unknown_experts_mode_is_refused(folder):
 
 @pytest.fixture(scope="module")
 def resident(folder):
-    """(family, make_tiny options) -> (prompt ids, generation of the model with nothing offloaded, grouped)."""
-    done = {}
-
-    def get(family, **kw):
-        key = (family, *sorted(kw.items()))
-        if key not in done:
-            path = folder(family, **kw)
-            ids = prompt_ids(path, 10)
-            model, _ = load(path, offload_gb=0, experts="grouped")
-            done[key] = ids, generate_new(model, ids)
-        return done[key]
-
-    return get
+    return resident_maker(folder, "grouped")
 
 
 CASES = [(f, {}, way) for f in ("qwen3_moe", "gpt_oss") for way in ("uva", "prefetch", "split", "disk", "cache")]
