@@ -10,6 +10,7 @@ released dimensions), else the eager loop; the runtime's report says which, and 
 from __future__ import annotations
 
 import enum
+import sys
 import types
 
 import torch
@@ -53,15 +54,20 @@ def resolve_experts(value, device: torch.device) -> tuple[ExpertsMode, str | Non
             if device.type != "cpu":
                 raise DeviceError(f"--experts fused computes experts with moe-offload's CPU kernels; the model runs "
                                   f"on {device}: use --experts grouped or eager there")
-            kernels()
+            kernels(progress=_say)
         return mode, None
     if device.type != "cpu":
         return ExpertsMode.EAGER, f"the CPU kernels do not run on {device.type}"
     try:
-        kernels()
+        kernels(progress=_say)
     except KernelUnavailable as err:
         return ExpertsMode.EAGER, str(err)
     return ExpertsMode.FUSED, None
+
+
+def _say(line: str) -> None:
+    """The kernels' one-time build takes up to a minute: say so on stderr (stdout may carry --json)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _own_copy(fn):
