@@ -24,9 +24,10 @@ are dequantized on the device into reused buffers, and the eager loop runs on th
 Tensors on the disk tier (disk_tier.py) always take the gathering path: the selected experts are read from
 the checkpoint into the same reused buffers, counted in the runtime's disk counter.
 
-What computes the selected experts is the runtime's `ExpertsCompute` (grouped.py): the class's eager loop
-(`experts="eager"`, the model's own arithmetic) or one grouped gather-GEMV kernel per projection
-(`experts="grouped"`), over the module's stacks in place or the gathered buffers with renumbered ids. The
+What computes the selected experts is the runtime's `ExpertsCompute` (compute.py): the class's eager loop
+(`experts="eager"`, the model's own arithmetic), one grouped gather-GEMV kernel per projection
+(`experts="grouped"`) or the CPU kernels on the stored format (`experts="fused"`: quantized experts are then
+neither gathered for dequantizing nor dequantized), over the module's stacks in place or the gathered buffers with renumbered ids. The
 gathering is data-dependent and always runs eagerly (`ExpertsState.gather`): under a compiled decode step it
 is where the graph breaks.
 

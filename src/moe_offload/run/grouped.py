@@ -25,8 +25,8 @@ Only decode steps (one new token per sequence, up to `GROUPED_MAX_ROWS` sequence
 the eager loop, in both the model and its reference: there each expert sees many tokens and a real GEMM per
 expert is the better kernel (and prompt lengths would each need their own compiled kernel).
 
-`ExpertsCompute` is the choice a runtime holds (no process-global state): eager, or grouped through its
-own compiled kernel (static shapes, but for the leading size of gathered stacks, which varies from call to call:
+`compute.ExpertsCompute` is the choice a runtime holds (no process-global state): eager, fused, or grouped
+through its own compiled kernel (static shapes, but for the leading size of gathered stacks, which varies from call to call:
 the loops that do the arithmetic are the same whatever stack the rows come from). Under a compiled decode step (compiled.py) the same Python is traced inline.
 """
 
