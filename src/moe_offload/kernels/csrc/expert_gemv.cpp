@@ -11,12 +11,17 @@
 // One arithmetic, three instruction sets. The result is defined lane by lane, and the AVX-512, AVX2 and portable
 // paths compute exactly that definition (fused multiply-adds only, a fixed reduction tree), so they agree bit for
 // bit on every CPU, whatever the thread count, alignment or which stack the rows come from:
-//   - rows (not transposed): 16 lane accumulators; lane j takes the products of the values at i = 16c + j (zero
-//     padded past K), acc_j = fma(w, x, acc_j) in order of c; FP8: per block of bk columns a block accumulator
-//     starts at 0 and is folded in as acc_j = fma(block_j, scale * 256, acc_j) (the e4m3 decode below yields
-//     value / 256 exactly); MXFP4: per group of 32, lane j holds byte j (values 2j and 2j+1): b = fma(lo, x[2j], 0),
-//     b = fma(hi, x[2j+1], b), acc_j = fma(b, 2^(e-127), acc_j). Then the lanes are summed as a tree:
+//   - rows (not transposed): 16 lanes, each with CHAINS (2) accumulators; chunk n of a row (the 16 values at
+//     i = 16n + j, zero padded past K) goes to chain h = n % CHAINS: acc_hj = fma(w, x, acc_hj) in order of n.
+//     FP8: per block of bk columns, chunk n of the block (counted from the block's start) goes to block chain
+//     n % CHAINS, every block chain starting at 0; the block is folded in as acc_j = fma(combine(block_hj),
+//     scale * 256, acc_j) with one accumulator per lane (the e4m3 decode below yields value / 256 exactly);
+//     MXFP4: group g of 32 goes to chain g % CHAINS, lane j holds byte j (values 2j and 2j+1):
+//     b = fma(lo, x[2j], 0), b = fma(hi, x[2j+1], b), acc_hj = fma(b, 2^(e-127), acc_hj). The chains are
+//     combined pairwise (a_j = acc_0j + acc_1j), then the lanes are summed as a tree:
 //     s8_j = a_j + a_{j+8}, s4_j = s8_j + s8_{j+4}, s2_j = s4_j + s4_{j+2}, out = s2_0 + s2_1.
+//     (Two chains keep two multiply-adds of a row in flight: one chain waits on its own latency and ran the bf16
+//     layer 15% slower here; interleaving four rows instead ran 1.7x slower.)
 //   - transposed (float formats only): out[o] = fma(w[i, o], x[i], out[o]) in order of i.
 // Work is split over output rows (torch's intra-op threads, at::parallel_for): each output value is computed by
 // one thread in the order above, so the thread count never changes a bit. Pairs that pick the same expert are
@@ -44,8 +49,8 @@ enum Isa : int64_t { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };
 constexpr int64_t ROW_TILE = 16;   // output rows per work item (rows layout)
 constexpr int64_t COL_TILE = 64;   // output columns per work item (transposed layout)
 constexpr int64_t LANES = 16;
-#ifndef RI512
-#define RI512 4
+#ifndef CHAINS
+#define CHAINS 2   // accumulator chains per lane (1, 2 or 4): part of the arithmetic's definition, see above
 #endif
 
 struct Job {
@@ -107,8 +112,37 @@ inline float decode(int64_t wtype, const uint8_t* p, int64_t i) {
   }
 }
 
+// CHAINS independent accumulators per lane: chunk (or MXFP4 group) number n goes to chain n % CHAINS, so the
+// fused multiply-adds of one row do not wait on each other; the chains are summed pairwise at the end.
+template <typename T>
+inline T combine_chains(const T* a) {
+  if constexpr (CHAINS == 1) return a[0];
+  else if constexpr (CHAINS == 2) return a[0] + a[1];
+  else return (a[0] + a[1]) + (a[2] + a[3]);
+}
+
+// chunks [c0, c1) of one row into chains acc[CHAINS][LANES] (chunk n = (c - c0) / 16 goes to chain n % CHAINS)
+inline void chunks_portable(int64_t wtype, const uint8_t* row, const float* x, int64_t K, int64_t c0, int64_t c1,
+                            float acc[CHAINS][LANES]) {
+  for (int64_t c = c0, n = 0; c < c1; c += LANES, ++n)
+    for (int l = 0; l < LANES; ++l) {
+      const float w = c + l < K ? decode(wtype, row, c + l) : 0.0f;
+      acc[n % CHAINS][l] = std::fma(w, x[c + l], acc[n % CHAINS][l]);
+    }
+}
+
+inline float finish_portable(float acc[CHAINS][LANES]) {
+  float a[LANES];
+  for (int l = 0; l < LANES; ++l) {
+    float v[CHAINS];
+    for (int h = 0; h < CHAINS; ++h) v[h] = acc[h][l];
+    a[l] = combine_chains(v);
+  }
+  return reduce16(a);
+}
+
 float row_portable(const Job& j, const uint8_t* row, const float* x, int64_t e, int64_t o) {
-  float acc[LANES] = {0};
+  float acc[CHAINS][LANES] = {};
   if (j.wtype == MXFP4) {
     const int64_t G = j.K / 32;
     for (int64_t g = 0; g < G; ++g) {
@@ -118,32 +152,27 @@ float row_portable(const Job& j, const uint8_t* row, const float* x, int64_t e, 
       for (int l = 0; l < LANES; ++l) {
         float blk = std::fma(FP4[b[l] & 15], xg[l], 0.0f);
         blk = std::fma(FP4[b[l] >> 4], xg[16 + l], blk);
-        acc[l] = std::fma(blk, sc, acc[l]);
+        acc[g % CHAINS][l] = std::fma(blk, sc, acc[g % CHAINS][l]);
       }
     }
-    return reduce16(acc);
+    return finish_portable(acc);
   }
   if (j.wtype == FP8) {
     const float* sc = j.scales + e * j.sc_expert + static_cast<int64_t>(j.row_block[o]) * j.sc_row;
     for (int64_t b0 = 0, nb = 0; b0 < j.K; b0 += j.bk, ++nb) {
-      float blk[LANES] = {0};
-      const int64_t b1 = std::min(b0 + j.bk, j.Kp);
-      for (int64_t c = b0; c < b1; c += LANES)
-        for (int l = 0; l < LANES; ++l) {
-          const float w = c + l < j.K ? decode(FP8, row, c + l) : 0.0f;
-          blk[l] = std::fma(w, x[c + l], blk[l]);
-        }
+      float blk[CHAINS][LANES] = {};
+      chunks_portable(FP8, row, x, j.K, b0, std::min(b0 + j.bk, j.Kp), blk);
       const float s = sc[nb] * 256.0f;
-      for (int l = 0; l < LANES; ++l) acc[l] = std::fma(blk[l], s, acc[l]);
+      for (int l = 0; l < LANES; ++l) {
+        float v[CHAINS];
+        for (int h = 0; h < CHAINS; ++h) v[h] = blk[h][l];
+        acc[0][l] = std::fma(combine_chains(v), s, acc[0][l]);
+      }
     }
-    return reduce16(acc);
+    return reduce16(acc[0]);
   }
-  for (int64_t c = 0; c < j.Kp; c += LANES)
-    for (int l = 0; l < LANES; ++l) {
-      const float w = c + l < j.K ? decode(j.wtype, row, c + l) : 0.0f;
-      acc[l] = std::fma(w, x[c + l], acc[l]);
-    }
-  return reduce16(acc);
+  chunks_portable(j.wtype, row, x, j.K, 0, j.Kp, acc);
+  return finish_portable(acc);
 }
 
 void cols_portable(const Job& j, const uint8_t* m, const float* x, int64_t o0, int64_t o1, float* out) {
@@ -204,62 +233,82 @@ AVX2_TARGET inline __m256 fp4_avx2(__m128i codes8) {   // 8 codes (low 8 bytes, 
   return _mm256_xor_ps(v, _mm256_castsi256_ps(sign));
 }
 
+AVX2_TARGET inline __m256 combine_avx2(const __m256* a) {   // combine_chains, in registers
+  if constexpr (CHAINS == 1) return a[0];
+  else if constexpr (CHAINS == 2) return _mm256_add_ps(a[0], a[1]);
+  else return _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+}
+
+// Chunks [c0, c1) of one row (c1 <= K rounded up to 16) into the chains: chunk n = (c - c0) / 16 to chain n % CHAINS.
+template <int64_t WT>
+AVX2_TARGET inline void chunks_avx2(const uint8_t* row, const float* x, int64_t K, int64_t c0, int64_t c1,
+                                    __m256* lo, __m256* hi) {
+  constexpr int64_t eb = WT == F32 ? 4 : (WT == FP8 ? 1 : 2);
+  __m256 wlo, whi;
+  int64_t c = c0;
+  for (; c + CHAINS * LANES <= c1 && c + CHAINS * LANES <= K; c += CHAINS * LANES)
+    for (int h = 0; h < CHAINS; ++h) {
+      load16_avx2(WT, row + (c + h * LANES) * eb, wlo, whi);
+      lo[h] = _mm256_fmadd_ps(wlo, _mm256_loadu_ps(x + c + h * LANES), lo[h]);
+      hi[h] = _mm256_fmadd_ps(whi, _mm256_loadu_ps(x + c + h * LANES + 8), hi[h]);
+    }
+  for (int h = 0; h < CHAINS; ++h) {
+    const int64_t cc = c + h * LANES;
+    if (cc >= c1) break;
+    if (cc + LANES <= K) load16_avx2(WT, row + cc * eb, wlo, whi);
+    else load16_tail_avx2(WT, row + cc * eb, K - cc, wlo, whi);
+    lo[h] = _mm256_fmadd_ps(wlo, _mm256_loadu_ps(x + cc), lo[h]);
+    hi[h] = _mm256_fmadd_ps(whi, _mm256_loadu_ps(x + cc + 8), hi[h]);
+  }
+}
+
 // Rows [o0, o1) of expert e for the pairs `toks` (each row read once for all of them).
 template <int64_t WT>
 AVX2_TARGET void rows_avx2_t(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt) {
   const uint8_t* m = expert_rows(j, e);
-  const int64_t eb = WT == MXFP4 ? 0 : elem_bytes(WT);
-  const int64_t row_bytes = WT == MXFP4 ? j.K / 2 : j.K * eb;
-  const int64_t full = j.K / LANES * LANES;
+  const int64_t row_bytes = WT == MXFP4 ? j.K / 2 : j.K * elem_bytes(WT);
+  const int64_t Kr = (j.K + LANES - 1) / LANES * LANES;
   for (int64_t o = o0; o < o1; ++o) {
     const uint8_t* row = m + o * row_bytes;
     for (int64_t t = 0; t < nt; ++t) {
       const float* x = j.x + toks[t] * j.Kp;
-      __m256 alo = _mm256_setzero_ps(), ahi = _mm256_setzero_ps(), wlo, whi;
+      __m256 lo[CHAINS], hi[CHAINS];
+      for (int h = 0; h < CHAINS; ++h) lo[h] = hi[h] = _mm256_setzero_ps();
       if constexpr (WT == MXFP4) {
         const int64_t G = j.K / 32;
         const uint8_t* sc = j.mx_scales + (e * j.O + o) * G;
-        for (int64_t g = 0; g < G; ++g) {
-          __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * g));
-          __m128i blo = _mm_and_si128(b, _mm_set1_epi8(15));
-          __m128i bhi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
-          const float* xg = x + 32 * g;
-          const __m256 s = _mm256_set1_ps(e8m0(sc[g]));
-          __m256 k0 = _mm256_fmadd_ps(fp4_avx2(blo), _mm256_loadu_ps(xg), _mm256_setzero_ps());
-          __m256 k1 = _mm256_fmadd_ps(fp4_avx2(_mm_srli_si128(blo, 8)), _mm256_loadu_ps(xg + 8), _mm256_setzero_ps());
-          k0 = _mm256_fmadd_ps(fp4_avx2(bhi), _mm256_loadu_ps(xg + 16), k0);
-          k1 = _mm256_fmadd_ps(fp4_avx2(_mm_srli_si128(bhi, 8)), _mm256_loadu_ps(xg + 24), k1);
-          alo = _mm256_fmadd_ps(k0, s, alo);
-          ahi = _mm256_fmadd_ps(k1, s, ahi);
-        }
+        for (int64_t g0 = 0; g0 < G; g0 += CHAINS)
+          for (int h = 0; h < CHAINS; ++h) {
+            const int64_t g = g0 + h;
+            if (g >= G) break;
+            __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * g));
+            __m128i blo = _mm_and_si128(b, _mm_set1_epi8(15));
+            __m128i bhi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+            const float* xg = x + 32 * g;
+            const __m256 s = _mm256_set1_ps(e8m0(sc[g]));
+            __m256 k0 = _mm256_fmadd_ps(fp4_avx2(blo), _mm256_loadu_ps(xg), _mm256_setzero_ps());
+            __m256 k1 = _mm256_fmadd_ps(fp4_avx2(_mm_srli_si128(blo, 8)), _mm256_loadu_ps(xg + 8), _mm256_setzero_ps());
+            k0 = _mm256_fmadd_ps(fp4_avx2(bhi), _mm256_loadu_ps(xg + 16), k0);
+            k1 = _mm256_fmadd_ps(fp4_avx2(_mm_srli_si128(bhi, 8)), _mm256_loadu_ps(xg + 24), k1);
+            lo[h] = _mm256_fmadd_ps(k0, s, lo[h]);
+            hi[h] = _mm256_fmadd_ps(k1, s, hi[h]);
+          }
       } else if constexpr (WT == FP8) {
         const float* sc = j.scales + e * j.sc_expert + static_cast<int64_t>(j.row_block[o]) * j.sc_row;
         for (int64_t b0 = 0, nb = 0; b0 < j.K; b0 += j.bk, ++nb) {
-          __m256 klo = _mm256_setzero_ps(), khi = _mm256_setzero_ps();
-          const int64_t b1 = std::min(b0 + j.bk, j.K);
-          for (int64_t c = b0; c < b1; c += LANES) {
-            if (c + LANES <= j.K) load16_avx2(FP8, row + c, wlo, whi);
-            else load16_tail_avx2(FP8, row + c, j.K - c, wlo, whi);
-            klo = _mm256_fmadd_ps(wlo, _mm256_loadu_ps(x + c), klo);
-            khi = _mm256_fmadd_ps(whi, _mm256_loadu_ps(x + c + 8), khi);
-          }
+          __m256 klo[CHAINS], khi[CHAINS];
+          for (int h = 0; h < CHAINS; ++h) klo[h] = khi[h] = _mm256_setzero_ps();
+          chunks_avx2<FP8>(row, x, j.K, b0, std::min(b0 + j.bk, Kr), klo, khi);
           const __m256 s = _mm256_set1_ps(sc[nb] * 256.0f);
-          alo = _mm256_fmadd_ps(klo, s, alo);
-          ahi = _mm256_fmadd_ps(khi, s, ahi);
+          lo[0] = _mm256_fmadd_ps(combine_avx2(klo), s, lo[0]);
+          hi[0] = _mm256_fmadd_ps(combine_avx2(khi), s, hi[0]);
         }
+        j.out[toks[t] * j.O + o] = reduce_avx2(lo[0], hi[0]);
+        continue;
       } else {
-        for (int64_t c = 0; c < full; c += LANES) {
-          load16_avx2(WT, row + c * eb, wlo, whi);
-          alo = _mm256_fmadd_ps(wlo, _mm256_loadu_ps(x + c), alo);
-          ahi = _mm256_fmadd_ps(whi, _mm256_loadu_ps(x + c + 8), ahi);
-        }
-        if (full < j.K) {
-          load16_tail_avx2(WT, row + full * eb, j.K - full, wlo, whi);
-          alo = _mm256_fmadd_ps(wlo, _mm256_loadu_ps(x + full), alo);
-          ahi = _mm256_fmadd_ps(whi, _mm256_loadu_ps(x + full + 8), ahi);
-        }
+        chunks_avx2<WT>(row, x, j.K, 0, Kr, lo, hi);
       }
-      j.out[toks[t] * j.O + o] = reduce_avx2(alo, ahi);
+      j.out[toks[t] * j.O + o] = reduce_avx2(combine_avx2(lo), combine_avx2(hi));
     }
   }
 }
@@ -322,75 +371,82 @@ AVX512_TARGET inline float reduce_avx512(__m512 a) {
   return reduce16(v);
 }
 
-// Four rows at a time per pair: four independent accumulator chains, x loaded once for them.
-template <int64_t WT, int RI>
+AVX512_TARGET inline __m512 combine_avx512(const __m512* a) {   // combine_chains, in registers
+  if constexpr (CHAINS == 1) return a[0];
+  else if constexpr (CHAINS == 2) return _mm512_add_ps(a[0], a[1]);
+  else return _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+}
+
+// Chunks [c0, c1) of one row into the chains, as chunks_avx2. One row at a time: interleaving rows (four chains of
+// four rows) measured 1.7x slower here than one row's chains.
+template <int64_t WT>
+AVX512_TARGET inline void chunks_avx512(const uint8_t* row, const float* x, int64_t K, int64_t c0, int64_t c1,
+                                        __m512* acc) {
+  constexpr int64_t eb = WT == F32 ? 4 : (WT == FP8 ? 1 : 2);
+  int64_t c = c0;
+  for (; c + CHAINS * LANES <= c1 && c + CHAINS * LANES <= K; c += CHAINS * LANES)
+    for (int h = 0; h < CHAINS; ++h)
+      acc[h] = _mm512_fmadd_ps(load16_avx512(WT, row + (c + h * LANES) * eb), _mm512_loadu_ps(x + c + h * LANES), acc[h]);
+  for (int h = 0; h < CHAINS; ++h) {
+    const int64_t cc = c + h * LANES;
+    if (cc >= c1) break;
+    const __m512 w = cc + LANES <= K ? load16_avx512(WT, row + cc * eb) : load16_tail_avx512(WT, row + cc * eb, K - cc);
+    acc[h] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + cc), acc[h]);
+  }
+}
+
+template <int64_t WT>
 AVX512_TARGET void rows_avx512_t(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt) {
   const uint8_t* m = expert_rows(j, e);
-  const int64_t eb = WT == MXFP4 ? 0 : elem_bytes(WT);
-  const int64_t row_bytes = WT == MXFP4 ? j.K / 2 : j.K * eb;
-  const int64_t full = j.K / LANES * LANES;
+  const int64_t row_bytes = WT == MXFP4 ? j.K / 2 : j.K * elem_bytes(WT);
+  const int64_t Kr = (j.K + LANES - 1) / LANES * LANES;
   const __m512 fp4 = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
-  for (int64_t o = o0; o < o1; o += RI) {
-    const int nr = static_cast<int>(std::min<int64_t>(RI, o1 - o));
-    const uint8_t* row[4];
-    for (int r = 0; r < RI; ++r) row[r] = m + (o + std::min(r, nr - 1)) * row_bytes;
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* row = m + o * row_bytes;
     for (int64_t t = 0; t < nt; ++t) {
       const float* x = j.x + toks[t] * j.Kp;
-      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      __m512 acc[CHAINS];
+      for (int h = 0; h < CHAINS; ++h) acc[h] = _mm512_setzero_ps();
       if constexpr (WT == MXFP4) {
         const int64_t G = j.K / 32;
-        const uint8_t* sc[4];
-        for (int r = 0; r < RI; ++r) sc[r] = j.mx_scales + (e * j.O + o + std::min(r, nr - 1)) * G;
-        for (int64_t g = 0; g < G; ++g) {
-          const __m512 xe = _mm512_loadu_ps(x + 32 * g), xo = _mm512_loadu_ps(x + 32 * g + 16);
-          for (int r = 0; r < RI; ++r) {
-            __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row[r] + 16 * g)));
+        const uint8_t* sc = j.mx_scales + (e * j.O + o) * G;
+        for (int64_t g0 = 0; g0 < G; g0 += CHAINS)
+          for (int h = 0; h < CHAINS; ++h) {
+            const int64_t g = g0 + h;
+            if (g >= G) break;
+            const __m512 xe = _mm512_loadu_ps(x + 32 * g), xo = _mm512_loadu_ps(x + 32 * g + 16);
+            __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * g)));
             __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(c, _mm512_set1_epi32(15)), fp4);
             __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), fp4);
             __m512 k = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, _mm512_setzero_ps()));
-            acc[r] = _mm512_fmadd_ps(k, _mm512_set1_ps(e8m0(sc[r][g])), acc[r]);
+            acc[h] = _mm512_fmadd_ps(k, _mm512_set1_ps(e8m0(sc[g])), acc[h]);
           }
-        }
       } else if constexpr (WT == FP8) {
-        const float* sc[4];
-        for (int r = 0; r < RI; ++r)
-          sc[r] = j.scales + e * j.sc_expert + static_cast<int64_t>(j.row_block[o + std::min(r, nr - 1)]) * j.sc_row;
+        const float* sc = j.scales + e * j.sc_expert + static_cast<int64_t>(j.row_block[o]) * j.sc_row;
         for (int64_t b0 = 0, nb = 0; b0 < j.K; b0 += j.bk, ++nb) {
-          __m512 k[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-          const int64_t b1 = std::min(b0 + j.bk, j.K);
-          for (int64_t c = b0; c < b1; c += LANES) {
-            const __m512 xv = _mm512_loadu_ps(x + c);
-            for (int r = 0; r < RI; ++r) {
-              __m512 w = c + LANES <= j.K ? load16_avx512(FP8, row[r] + c) : load16_tail_avx512(FP8, row[r] + c, j.K - c);
-              k[r] = _mm512_fmadd_ps(w, xv, k[r]);
-            }
-          }
-          for (int r = 0; r < RI; ++r) acc[r] = _mm512_fmadd_ps(k[r], _mm512_set1_ps(sc[r][nb] * 256.0f), acc[r]);
+          __m512 k[CHAINS];
+          for (int h = 0; h < CHAINS; ++h) k[h] = _mm512_setzero_ps();
+          chunks_avx512<FP8>(row, x, j.K, b0, std::min(b0 + j.bk, Kr), k);
+          acc[0] = _mm512_fmadd_ps(combine_avx512(k), _mm512_set1_ps(sc[nb] * 256.0f), acc[0]);
         }
+        j.out[toks[t] * j.O + o] = reduce_avx512(acc[0]);
+        continue;
       } else {
-        for (int64_t c = 0; c < full; c += LANES) {
-          const __m512 xv = _mm512_loadu_ps(x + c);
-          for (int r = 0; r < RI; ++r) acc[r] = _mm512_fmadd_ps(load16_avx512(WT, row[r] + c * eb), xv, acc[r]);
-        }
-        if (full < j.K) {
-          const __m512 xv = _mm512_loadu_ps(x + full);
-          for (int r = 0; r < RI; ++r)
-            acc[r] = _mm512_fmadd_ps(load16_tail_avx512(WT, row[r] + full * eb, j.K - full), xv, acc[r]);
-        }
+        chunks_avx512<WT>(row, x, j.K, 0, Kr, acc);
       }
-      for (int r = 0; r < nr; ++r) j.out[toks[t] * j.O + o + r] = reduce_avx512(acc[r]);
+      j.out[toks[t] * j.O + o] = reduce_avx512(combine_avx512(acc));
     }
   }
 }
 
 void rows_avx512(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt) {
   switch (j.wtype) {
-    case F32: rows_avx512_t<F32, RI512>(j, e, o0, o1, toks, nt); break;
-    case BF16: rows_avx512_t<BF16, RI512>(j, e, o0, o1, toks, nt); break;
-    case F16: rows_avx512_t<F16, RI512>(j, e, o0, o1, toks, nt); break;
-    case FP8: rows_avx512_t<FP8, RI512>(j, e, o0, o1, toks, nt); break;
-    default: rows_avx512_t<MXFP4, RI512>(j, e, o0, o1, toks, nt);
+    case F32: rows_avx512_t<F32>(j, e, o0, o1, toks, nt); break;
+    case BF16: rows_avx512_t<BF16>(j, e, o0, o1, toks, nt); break;
+    case F16: rows_avx512_t<F16>(j, e, o0, o1, toks, nt); break;
+    case FP8: rows_avx512_t<FP8>(j, e, o0, o1, toks, nt); break;
+    default: rows_avx512_t<MXFP4>(j, e, o0, o1, toks, nt);
   }
 }
 
