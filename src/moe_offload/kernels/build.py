@@ -19,6 +19,7 @@ import hashlib
 import os
 import shutil
 from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -34,10 +35,14 @@ class KernelUnavailable(MoeOffloadError):
     """The CPU kernels cannot be built or loaded here."""
 
 
+@lru_cache(maxsize=4)
+def _digest(flags: str) -> str:   # the source is the installed package's own: read once per process
+    return hashlib.sha256(SOURCE.read_bytes() + flags.encode()).hexdigest()[:16]
+
+
 def build_dir() -> Path:
     root = os.environ.get("MOE_OFFLOAD_KERNELS_DIR") or Path.home() / ".cache" / "moe-offload" / "kernels"
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    return Path(root) / f"torch-{torch.__version__.replace('+', '_')}-{digest}"
+    return Path(root) / f"torch-{torch.__version__.replace('+', '_')}-{_digest(' '.join(CFLAGS))}"
 
 
 @contextmanager

@@ -68,9 +68,12 @@ def fp8_row_blocks(rows: int, block_rows: int, parts: int = 1) -> torch.Tensor:
 
 def expert_gemv(x: torch.Tensor, stack, ids: torch.Tensor, *, transposed: bool = False,
                 isa: Isa | None = None) -> torch.Tensor:
-    """float32 [S, O]: x [S, K] (any float dtype) through expert ids[s] of `stack` for each s."""
-    kernels()
-    isa = best_isa() if isa is None else Isa(isa)
+    """float32 [S, O]: x [S, K] (any float dtype) through expert ids[s] of `stack` for each s. Inside a compiled
+    step give `isa` (best_isa() once, outside): the query is opaque to torch.compile."""
+    if isa is None:
+        isa = best_isa()
+    elif not torch.compiler.is_compiling():
+        kernels()
     x = x.float()
     ids = ids.reshape(-1).long()
     op = torch.ops.moe_offload.expert_gemv

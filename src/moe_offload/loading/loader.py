@@ -83,6 +83,8 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     """
     from ..run.auditor import audit
     from ..run.compute import ExpertsCompute, ExpertsMode, resolve_experts
+    from ..run.dense_kernel import kernel_linears
+    from ..run.experts import is_experts_module
     from ..run.grouped import check_kernels
     from ..run.host_cache import HostCache, carve, host_cache_bytes
     from ..run.lookahead import SOURCES, Lookahead
@@ -129,6 +131,8 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     storage_dtype = getattr(torch, DTYPE_NAMES[dtype]) if dtype else None
     with _parameters_on_meta():
         model = build_meta_model(config, storage_dtype, device="cpu")
+    if mode is ExpertsMode.FUSED:   # the dense Linears' decode calls by the same kernels (dense_kernel.py)
+        kernel_linears(model, lambda name, module: is_experts_module(module))
     model.eval()
     inv = from_checkpoint(folder, dtype=dtype, model=model, config=config)
     if plan is None:

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..formats.quant import QuantFormat
-from ..kernels import Fp8Stack, Mxfp4Stack, expert_gemv, fp8_row_blocks
+from ..kernels import Fp8Stack, Isa, Mxfp4Stack, expert_gemv, fp8_row_blocks
 from .grouped import experts_math
 
 FUSED_MAX_ROWS = 16   # rows (tokens x sequences) of a call up to which the kernels compute it
@@ -65,15 +65,17 @@ def stack(module: nn.Module, tensors: Mapping[str, torch.Tensor], quant: Mapping
 
 
 def fused_experts(module: nn.Module, tensors: Mapping[str, torch.Tensor], quant: Mapping,
-                  hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+                  hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                  isa: Isa | None = None) -> torch.Tensor:
     """The experts module's output for [T, H] hidden states routed to top_k_index [T, k] (ids into the stacks of
-    `tensors`, default the module's own), every projection by the kernels."""
+    `tensors`, default the module's own), every projection by the kernels (`isa`: the path, resolved once by the
+    caller; default the best here)."""
     transposed = bool(getattr(module, "is_transposed", False))
 
     def project(name: str, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         s = stack(module, tensors, quant, name)
         # x: [S, K] -> [S, O] float32, rounded to the model's dtype as grouped.py's kernels round
-        return expert_gemv(x, s, ids, transposed=transposed and not isinstance(s, (Fp8Stack, Mxfp4Stack))
-                           ).to(x.dtype)
+        return expert_gemv(x, s, ids, transposed=transposed and not isinstance(s, (Fp8Stack, Mxfp4Stack)),
+                           isa=isa).to(x.dtype)
 
     return experts_math(module, tensors, project, hidden_states, top_k_index, top_k_weights)

@@ -288,11 +288,12 @@ class Dequantizer:
                 staged[q.scale_local] = getattr(module, q.scale_local).index_select(0, selected)
 
     # --- Linear weights -------------------------------------------------------------------------------------
-    def hook_linears(self, model: nn.Module, handles: list) -> None:
-        """Pre/post hooks on every nn.Linear whose weight is quantized. The pre-hook runs after any hook already
-        registered (the dense prefetch ring stages first), the post-hook before them (prepend): they nest."""
+    def hook_linears(self, model: nn.Module, handles: list, served=frozenset()) -> None:
+        """Pre/post hooks on every nn.Linear whose weight is quantized, but those `served` (read as stored by the
+        CPU kernel: dense_kernel.py). The pre-hook runs after any hook already registered (the dense prefetch ring
+        stages first), the post-hook before them (prepend): they nest."""
         for name, q in self.layouts.items():
-            if q.reader is not Reader.LINEAR:
+            if q.reader is not Reader.LINEAR or name in served:
                 continue
             module = model.get_submodule(name.rpartition(".")[0])
             # `home`: the stored weight as loaded. `during`: the one the current call dequantized (the prefetch

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from .dense_kernel import attach_fp8
 from .dense_prefetch import DenseRing, tensor_at
 from .experts import EXPERTS_IMPL, ExpertsState, is_experts_module, register_experts_function
 from ..model.inventory import layer_of, layer_prefix
@@ -152,7 +153,8 @@ class Runtime(RunState):
         if self.disk is not None:   # dense and embedding tensors on disk: read while their module runs
             self.disk.attach_dense(self, self.model, {n for n, m in modules.items() if is_experts_module(m)})
         if self.dequantizer is not None:   # after the dense hooks: a staged copy is dequantized, not the host one
-            self.dequantizer.hook_linears(self.model, self.handles)
+            in_place = attach_fp8(self.model, self.dequantizer.layouts)   # FP8 Linears the kernel reads as stored
+            self.dequantizer.hook_linears(self.model, self.handles, in_place)
         unserved = sorted(set(self.splits) - served)
         if unserved:
             from ..errors import MoeOffloadError

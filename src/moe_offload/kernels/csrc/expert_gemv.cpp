@@ -384,6 +384,16 @@ AVX512_TARGET inline void chunks_avx512(const uint8_t* row, const float* x, int6
                                         __m512* acc) {
   constexpr int64_t eb = WT == F32 ? 4 : (WT == FP8 ? 1 : 2);
   int64_t c = c0;
+  if constexpr (WT == FP8 && CHAINS == 2) {
+    // 32 e4m3 values decoded at once (chunks n, n + 1 -> chains 0, 1): half the instructions of two load16s
+    const __m512i m = _mm512_set1_epi16(0x4000);
+    for (; c + 2 * LANES <= c1 && c + 2 * LANES <= K; c += 2 * LANES) {
+      __m512i v = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c))), 7);
+      v = _mm512_add_epi16(v, _mm512_and_si512(v, m));   // the sign, shifted to bit 14, carried on to bit 15
+      acc[0] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(v)), _mm512_loadu_ps(x + c), acc[0]);
+      acc[1] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1)), _mm512_loadu_ps(x + c + LANES), acc[1]);
+    }
+  }
   for (; c + CHAINS * LANES <= c1 && c + CHAINS * LANES <= K; c += CHAINS * LANES)
     for (int h = 0; h < CHAINS; ++h)
       acc[h] = _mm512_fmadd_ps(load16_avx512(WT, row + (c + h * LANES) * eb), _mm512_loadu_ps(x + c + h * LANES), acc[h]);
