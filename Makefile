@@ -59,6 +59,7 @@ bench: setup model engines
 	$(BIN)/python benchmarks/quant_bench.py
 	$(BIN)/python benchmarks/cache_bench.py
 	$(BIN)/python benchmarks/disk_bench.py
+	$(BIN)/python benchmarks/kernel_bench.py
 	$(BIN)/python benchmarks/step_bench.py
 	$(BIN)/python benchmarks/lookahead_bench.py
 	$(BIN)/python benchmarks/serve_bench.py
