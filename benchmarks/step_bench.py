@@ -48,6 +48,7 @@ ARMS = {   # arm: (experts, half offloaded, compiled)
     "eager": ("eager", False, False), "eager half-off": ("eager", True, False),
     "grouped": ("grouped", False, False), "grouped half-off": ("grouped", True, False),
     "compiled": ("grouped", False, True), "compiled half-off": ("grouped", True, True),
+    "fused": ("fused", False, False), "fused half-off": ("fused", True, False),
 }
 PROMPT = "The harbour master counted the boats"
 GiB, MiB = 1 << 30, 1 << 20

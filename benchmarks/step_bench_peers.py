@@ -74,15 +74,15 @@ def machine(where: dict) -> dict:
 
 # --- llama.cpp ---------------------------------------------------------------------------------------------
 
-def ensure_gguf(model: Path) -> Path:
-    """The model's bf16 GGUF beside its folder, converted once."""
-    gguf = model.parent / f"{model.name}.bf16.gguf"
+def ensure_gguf(model: Path, outtype: str = "bf16") -> Path:
+    """The model's GGUF (bf16, or llama.cpp's `outtype`: q8_0, ...) beside its folder, converted once."""
+    gguf = model.parent / f"{model.name}.{outtype}.gguf"
     if gguf.is_file() and gguf.stat().st_mtime >= (model / "config.json").stat().st_mtime:
         return gguf
     print(f"converting {model.name} to {gguf.name} (once; cached) ...", file=sys.stderr)
     tmp = gguf.with_suffix(".gguf.tmp")
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "engines.py"), "convert", str(model), str(tmp),
-                          "--outtype", "bf16"], capture_output=True, text=True)
+                          "--outtype", outtype], capture_output=True, text=True)
     if out.returncode != 0 or not tmp.is_file():
         raise RuntimeError(f"converting {model} failed (exit {out.returncode}): {out.stderr[-2000:]}")
     tmp.replace(gguf)
@@ -110,13 +110,13 @@ def _completion(exe: str, gguf: Path, prompt: str, tokens: int, threads: int) ->
 
 
 def llama_rows(where: dict, model: Path, label: str, prompt: str, prompt_ids: list[int], tokens: int,
-               threads: list[int]) -> list[dict]:
+               threads: list[int], outtype: str = "bf16") -> list[dict]:
     e = where["llama_cpp"]
-    base = {"model": label, "arm": "llama.cpp", "engine": "llama.cpp", "tokens": tokens}
+    base = {"model": label, "arm": "llama.cpp", "engine": "llama.cpp", "tokens": tokens, "gguf_type": outtype}
     if not e["ok"]:
         return [dict(base, threads=t, error=f"llama.cpp missing: {e['missing']}") for t in threads]
     try:
-        gguf = ensure_gguf(model)
+        gguf = ensure_gguf(model, outtype)
         _completion(e["completion"], gguf, prompt, 8, max(threads))    # warm: page cache, binary
     except (RuntimeError, subprocess.TimeoutExpired) as err:
         return [dict(base, threads=t, error=str(err)[-800:]) for t in threads]

@@ -46,7 +46,8 @@ def cmd_serve(args) -> int:
         raise MoeOffloadError("serve --compile: the server decodes through transformers' continuous batching, whose "
                               "packed batches the compiled step (static KV cache, one sequence shape) does not take, "
                               "and whose own compiled path decoded the offloaded model 2.5x slower than eager here; "
-                              "serve without --compile (--experts grouped speeds up the decode step)")
+                              "serve without --compile (on a CPU the decode step already runs the fused kernels, "
+                              "--experts auto)")
     folder = model_path(args.model)
     if not (folder / "config.json").is_file():
         raise MoeOffloadError(f"{folder}: no config.json there; give the model folder (config.json, safetensors, "
