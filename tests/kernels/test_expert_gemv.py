@@ -20,7 +20,8 @@ from moe_offload.kernels import Fp8Stack, Isa, Mxfp4Stack, best_isa, expert_gemv
 pytestmark = pytest.mark.exact
 
 RUNS = [i for i in Isa if i <= best_isa()]   # the paths this CPU (and ATEN_CPU_CAPABILITY) allows
-SHAPES = [(5, 37, 70), (4, 64, 128), (3, 33, 16), (2, 130, 200)]   # (experts, rows, cols): tails of 16 and 64
+# (experts, rows, cols): tails of 16 and 64; more outputs than a transposed work item's 4096 columns, K not / 4
+SHAPES = [(5, 37, 70), (4, 64, 128), (3, 33, 16), (2, 130, 200), (2, 4096 + 37, 23)]
 IDS = [0, 2, 2, 1, 0, 1]
 
 

@@ -47,7 +47,10 @@ enum Wtype : int64_t { F32 = 0, BF16 = 1, F16 = 2, FP8 = 3, MXFP4 = 4 };
 enum Isa : int64_t { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };
 
 constexpr int64_t ROW_TILE = 16;   // output rows per work item (rows layout)
-constexpr int64_t COL_TILE = 64;   // output columns per work item (transposed layout)
+#ifndef COLT
+#define COLT 4096
+#endif
+constexpr int64_t COL_TILE = COLT;   // output columns per work item (transposed): rows read 8 KiB at a time
 constexpr int64_t LANES = 16;
 #ifndef CHAINS
 #define CHAINS 2   // accumulator chains per lane (1, 2 or 4): part of the arithmetic's definition, see above
@@ -323,21 +326,35 @@ void rows_avx2(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t* t
   }
 }
 
-AVX2_TARGET void cols_avx2(const Job& j, const uint8_t* m, const float* x, int64_t o0, int64_t o1, float* out) {
-  const int64_t eb = elem_bytes(j.wtype);
-  int64_t o = o0;
-  for (; o + LANES <= o1; o += LANES) {
-    __m256 alo = _mm256_setzero_ps(), ahi = _mm256_setzero_ps(), wlo, whi;
-    for (int64_t i = 0; i < j.K; ++i) {
-      load16_avx2(j.wtype, m + (i * j.O + o) * eb, wlo, whi);
-      const __m256 xi = _mm256_set1_ps(x[i]);
-      alo = _mm256_fmadd_ps(wlo, xi, alo);
-      ahi = _mm256_fmadd_ps(whi, xi, ahi);
+// Transposed: the tile's columns [o0, o1) of every row i in turn, each row's span read contiguously, the
+// accumulators in an L1-resident array updated in order of i as the definition says (gpt-oss's [E, H, 2I] bf16
+// layer: 12.8 ms at one thread with 64-column tiles, 11.3 ms with 4096; AVX-512 applies four rows per pass).
+template <int64_t WT>
+AVX2_TARGET void cols_avx2_t(const Job& j, const uint8_t* m, const float* x, int64_t o0, int64_t o1, float* out) {
+  constexpr int64_t eb = WT == F32 ? 4 : 2;
+  const int64_t n = (o1 - o0) / LANES;
+  alignas(64) float acc[COL_TILE];
+  std::memset(acc, 0, sizeof(float) * n * LANES);
+  __m256 wlo, whi;
+  for (int64_t i = 0; i < j.K; ++i) {
+    const __m256 xi = _mm256_set1_ps(x[i]);
+    const uint8_t* p = m + (i * j.O + o0) * eb;
+    for (int64_t v = 0; v < n; ++v) {
+      load16_avx2(WT, p + v * LANES * eb, wlo, whi);
+      _mm256_store_ps(acc + v * LANES, _mm256_fmadd_ps(wlo, xi, _mm256_load_ps(acc + v * LANES)));
+      _mm256_store_ps(acc + v * LANES + 8, _mm256_fmadd_ps(whi, xi, _mm256_load_ps(acc + v * LANES + 8)));
     }
-    _mm256_storeu_ps(out + o, alo);
-    _mm256_storeu_ps(out + o + 8, ahi);
   }
-  if (o < o1) cols_portable(j, m, x, o, o1, out);
+  std::memcpy(out + o0, acc, sizeof(float) * n * LANES);
+  if (o0 + n * LANES < o1) cols_portable(j, m, x, o0 + n * LANES, o1, out);
+}
+
+void cols_avx2(const Job& j, const uint8_t* m, const float* x, int64_t o0, int64_t o1, float* out) {
+  switch (j.wtype) {
+    case F32: cols_avx2_t<F32>(j, m, x, o0, o1, out); break;
+    case BF16: cols_avx2_t<BF16>(j, m, x, o0, o1, out); break;
+    default: cols_avx2_t<F16>(j, m, x, o0, o1, out);
+  }
 }
 
 // ---- AVX-512 (F, BW, VL) -----------------------------------------------------------------------------------------
@@ -460,25 +477,45 @@ void rows_avx512(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t*
   }
 }
 
-AVX512_TARGET void cols_avx512(const Job& j, const uint8_t* m, const float* x, int64_t o0, int64_t o1, float* out) {
-  const int64_t eb = elem_bytes(j.wtype);
-  int64_t o = o0;
-  for (; o + 4 * LANES <= o1; o += 4 * LANES) {
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t i = 0; i < j.K; ++i) {
-      const __m512 xi = _mm512_set1_ps(x[i]);
-      const uint8_t* p = m + (i * j.O + o) * eb;
-      for (int v = 0; v < 4; ++v) acc[v] = _mm512_fmadd_ps(load16_avx512(j.wtype, p + v * LANES * eb), xi, acc[v]);
+template <int64_t WT>
+AVX512_TARGET void cols_avx512_t(const Job& j, const uint8_t* m, const float* x, int64_t o0, int64_t o1, float* out) {
+  constexpr int64_t eb = WT == F32 ? 4 : 2;
+  const int64_t n = (o1 - o0) / LANES;
+  alignas(64) float acc[COL_TILE];
+  std::memset(acc, 0, sizeof(float) * n * LANES);
+  int64_t i = 0;
+  for (; i + 4 <= j.K; i += 4) {   // four rows per pass over the accumulators, each still added in order of i
+    const __m512 x0 = _mm512_set1_ps(x[i]), x1 = _mm512_set1_ps(x[i + 1]), x2 = _mm512_set1_ps(x[i + 2]),
+                 x3 = _mm512_set1_ps(x[i + 3]);
+    const uint8_t* p = m + (i * j.O + o0) * eb;
+    const int64_t rs = j.O * eb;
+    for (int64_t v = 0; v < n; ++v) {
+      const int64_t off = v * LANES * eb;
+      __m512 a = _mm512_load_ps(acc + v * LANES);
+      a = _mm512_fmadd_ps(load16_avx512(WT, p + off), x0, a);
+      a = _mm512_fmadd_ps(load16_avx512(WT, p + rs + off), x1, a);
+      a = _mm512_fmadd_ps(load16_avx512(WT, p + 2 * rs + off), x2, a);
+      a = _mm512_fmadd_ps(load16_avx512(WT, p + 3 * rs + off), x3, a);
+      _mm512_store_ps(acc + v * LANES, a);
     }
-    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(out + o + v * LANES, acc[v]);
   }
-  for (; o + LANES <= o1; o += LANES) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < j.K; ++i)
-      acc = _mm512_fmadd_ps(load16_avx512(j.wtype, m + (i * j.O + o) * eb), _mm512_set1_ps(x[i]), acc);
-    _mm512_storeu_ps(out + o, acc);
+  for (; i < j.K; ++i) {
+    const __m512 xi = _mm512_set1_ps(x[i]);
+    const uint8_t* p = m + (i * j.O + o0) * eb;
+    for (int64_t v = 0; v < n; ++v)
+      _mm512_store_ps(acc + v * LANES, _mm512_fmadd_ps(load16_avx512(WT, p + v * LANES * eb), xi,
+                                                       _mm512_load_ps(acc + v * LANES)));
   }
-  if (o < o1) cols_portable(j, m, x, o, o1, out);
+  std::memcpy(out + o0, acc, sizeof(float) * n * LANES);
+  if (o0 + n * LANES < o1) cols_portable(j, m, x, o0 + n * LANES, o1, out);
+}
+
+void cols_avx512(const Job& j, const uint8_t* m, const float* x, int64_t o0, int64_t o1, float* out) {
+  switch (j.wtype) {
+    case F32: cols_avx512_t<F32>(j, m, x, o0, o1, out); break;
+    case BF16: cols_avx512_t<BF16>(j, m, x, o0, o1, out); break;
+    default: cols_avx512_t<F16>(j, m, x, o0, o1, out);
+  }
 }
 
 // ---- work items -----------------------------------------------------------------------------------------------------
