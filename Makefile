@@ -61,6 +61,7 @@ bench: setup model engines
 	$(BIN)/python benchmarks/disk_bench.py
 	$(BIN)/python benchmarks/kernel_bench.py
 	$(BIN)/python benchmarks/step_bench.py
+	$(BIN)/python benchmarks/released_bench.py
 	$(BIN)/python benchmarks/lookahead_bench.py
 	$(BIN)/python benchmarks/serve_bench.py
 
