@@ -1,7 +1,7 @@
 """run/dense_kernel.py: with the fused experts, the dense Linears' short calls run the CPU kernel on the weight as stored.
 
 - every nn.Linear outside the routed experts is a KernelLinear (none with the eager experts);
-- a KernelLinear's call of up to FUSED_MAX_ROWS rows is the kernel's arithmetic (bit for bit) and within bf16
+- a KernelLinear's call of up to DENSE_MAX_ROWS rows is the kernel's arithmetic (bit for bit) and within bf16
   rounding of F.linear; a longer call is F.linear itself;
 - FP8 Linear weights are read as stored (no dequantized copy is made for a decode step);
 - the promise: with the attention, norms, embedding and LM head offloaded (uva, the prefetch ring, the disk tier)
@@ -22,9 +22,8 @@ from fixtures_experts import folder_maker, generate_new, resident_maker
 from fixtures_models import load
 from moe_offload.kernels import expert_gemv
 from moe_offload.planning.placement import GiB
-from moe_offload.run.dense_kernel import KernelLinear
+from moe_offload.run.dense_kernel import DENSE_MAX_ROWS, KernelLinear
 from moe_offload.run.experts import is_experts_module
-from moe_offload.run.fused import FUSED_MAX_ROWS
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +61,7 @@ def test_short_calls_are_the_kernel_and_long_calls_are_linear(dtype, bias):
         lin.weight.copy_(torch.randn(40, 96, generator=g))
         if bias:
             lin.bias.copy_(torch.randn(40, generator=g))
-    for shape in ((1, 1, 96), (2, 3, 96), (FUSED_MAX_ROWS, 96)):
+    for shape in ((1, 1, 96), (1, DENSE_MAX_ROWS, 96), (DENSE_MAX_ROWS, 96)):
         x = torch.randn(*shape, generator=g).to(dtype)
         with torch.no_grad():
             got = lin(x)
@@ -75,9 +74,10 @@ def test_short_calls_are_the_kernel_and_long_calls_are_linear(dtype, bias):
             ref = F.linear(x.double(), lin.weight.double(), lin.bias.double() if bias else None)
             tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
             torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
-    x = torch.randn(FUSED_MAX_ROWS + 1, 96, generator=g).to(dtype)
-    with torch.no_grad():
-        assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+    for shape in ((DENSE_MAX_ROWS + 1, 96), (2, 3, 96)):
+        x = torch.randn(*shape, generator=g).to(dtype)
+        with torch.no_grad():
+            assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
 
 
 def test_fp8_linears_are_read_as_stored(folder):
