@@ -113,7 +113,8 @@ def markdown(result: dict) -> str:
         f"{result['wall_s'] / 60:.1f} min.", "",
         "Models: `make-tiny --like` (random weights, the released layer dimensions and on-disk format): "
         + "; ".join(f"{k}: `{' '.join(MODELS[k][1])}`" for k in result["models"]) + ".", "",
-        __doc__.split("\n\n")[2].replace("\n", " "), "",
+        " ".join(next(p for p in __doc__.split("\n\n") if p.startswith("moe-offload arms")).split()), "",
+        *[f"- {n}" for n in result.get("notes", [])], *([""] if result.get("notes") else []),
         "| model | threads | arm | tok/s | x llama.cpp | x bf16 model | 2 threads / 1 | ITL p50 ms | TTFT ms | "
         "llama.cpp GGUF |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -204,7 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm", action="store_true", help="add vLLM CPU on the bf16 Qwen3 model (slow to load)")
     ap.add_argument("--work", type=Path, default=ROOT / "models" / "released", help="where the models are kept")
     ap.add_argument("--out", type=Path, default=ROOT / "bench-out")
-    ap.add_argument("--from-json", type=Path, help="measure nothing: write the report of a saved json")
+    ap.add_argument("--from-json", type=Path, help="measure nothing: write the report of a saved json (its "
+                    "\"notes\" list, if any, is printed under the method)")
     args = ap.parse_args(argv)
     if args.models and not set(args.models) <= set(MODELS):
         ap.error(f"unknown model(s) {sorted(set(args.models) - set(MODELS))}; known: {', '.join(MODELS)}")
