@@ -194,6 +194,18 @@ def measure(args) -> dict:
             "machine": {**peers.machine(where), "loadavg_min": min(loads), "loadavg_max": max(loads)}, "rows": rows}
 
 
+def merge(old: dict, new: dict) -> dict:
+    """`old` with the rows of `new`'s models replaced by `new`'s: each model's rows still come from one run (its
+    ratios are within that run); a note says which models were measured when."""
+    kept = [r for r in old["rows"] if r["model"] not in new["models"]]
+    models = [m for m in MODELS if m in old["models"] or m in new["models"]]
+    order = {a: i for i, a in enumerate([*ARMS, "llama.cpp", "vLLM"])}
+    rows = sorted(kept + new["rows"], key=lambda r: (models.index(r["model"]), r["threads"], order[r["arm"]]))
+    note = (f"Rows of {', '.join(new['models'])} from a run at tree {new['machine'].get('tree')}, "
+            f"{new['machine']['date']} ({new['wall_s'] / 60:.1f} min); the others from the run in the header.")
+    return {**old, "rows": rows, "models": models, "notes": [*old.get("notes", []), note]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="qwen3 bf16, 2 threads, fused and llama.cpp, 16 tokens")
@@ -205,6 +217,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm", action="store_true", help="add vLLM CPU on the bf16 Qwen3 model (slow to load)")
     ap.add_argument("--work", type=Path, default=ROOT / "models" / "released", help="where the models are kept")
     ap.add_argument("--out", type=Path, default=ROOT / "bench-out")
+    ap.add_argument("--merge-into", type=Path, help="a saved json whose rows of the models measured now are "
+                    "replaced by this run's (the other models' rows, and their run, are kept and said so)")
     ap.add_argument("--from-json", type=Path, help="measure nothing: write the report of a saved json (its "
                     "\"notes\" list, if any, is printed under the method)")
     args = ap.parse_args(argv)
@@ -214,6 +228,8 @@ def main(argv=None) -> int:
         ap.error(f"unknown arm(s) {sorted(set(args.arms) - set(ARMS))}; known: {', '.join(ARMS)}")
     args.tokens = args.tokens or (16 if args.quick else 32)
     result = json.loads(args.from_json.read_text()) if args.from_json else measure(args)
+    if args.merge_into:
+        result = merge(json.loads(args.merge_into.read_text()), result)
     add_ratios(result["rows"])
     result["goals"] = goals(result["rows"])
     text = markdown(result)
