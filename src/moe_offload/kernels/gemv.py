@@ -29,6 +29,8 @@ class Isa(enum.IntEnum):
     AVX512 = 2
 
 
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # the float stacks the kernel reads as they lie
+
 _ATEN_CAP = {"default": Isa.PORTABLE, "avx2": Isa.AVX2, "avx512": Isa.AVX512}
 
 

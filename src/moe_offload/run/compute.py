@@ -84,7 +84,11 @@ class ExpertsCompute:
         self.mode = experts_mode(mode)
         self.why_not_fused = why_not_fused
         self._kernel = None
-        self.isa = None   # the kernels' instruction-set path (fused), resolved at the first fused call
+        self.isa = None   # the kernels' instruction-set path (fused): resolved once, outside any compiled step
+        if self.mode is ExpertsMode.FUSED:
+            from ..kernels import best_isa
+
+            self.isa = best_isa()
         self._unsupported: dict[int, str | None] = {}   # id(module) -> why the kernels cannot compute it
 
     def grouped_for(self, hidden_states: torch.Tensor, decode: bool) -> bool:
@@ -107,10 +111,6 @@ class ExpertsCompute:
         the tensors `tensors` (or the module) hold as stored, for the fused kernels (the caller dequantized them
         for every other path)."""
         if self.fused_for(module, hidden_states, quant):
-            if self.isa is None:   # once per runtime: the operator that answers it is opaque to torch.compile
-                from ..kernels import best_isa
-
-                self.isa = best_isa()
             return fused_experts(module, tensors, quant or {}, hidden_states, top_k_index, top_k_weights, self.isa)
         if not self.grouped_for(hidden_states, decode):
             return original_forward(module)(module if view is None else view, hidden_states, top_k_index,
@@ -127,11 +127,9 @@ class ExpertsCompute:
     @property
     def mechanism(self) -> str:
         if self.mode is ExpertsMode.FUSED:
-            from ..kernels import best_isa
-
             skipped = sorted({why for why in self._unsupported.values() if why})
             rest = f"; not for {', '.join(skipped)} (eager loop)" if skipped else ""
-            return (f"experts: moe-offload's CPU kernels on the stored format ({best_isa().name.lower()} path; calls "
+            return (f"experts: moe-offload's CPU kernels on the stored format ({self.isa.name.lower()} path; calls "
                     f"of up to {FUSED_MAX_ROWS} rows, longer prefills by the eager loop; the dense Linears' alike){rest}")
         why = f" (not the CPU kernels: {self.why_not_fused})" if self.why_not_fused else ""
         if self.mode is ExpertsMode.EAGER:

@@ -31,9 +31,8 @@ import torch.nn.functional as F
 
 from ..formats.quant import QuantFormat
 from ..formats.quant_codecs import dequantize_fp8
-from ..kernels import Fp8Stack, Isa, best_isa, expert_gemv, fp8_row_blocks
+from ..kernels import FLOAT_DTYPES, Fp8Stack, Isa, best_isa, expert_gemv, fp8_row_blocks
 
-FLOAT_WEIGHTS = (torch.float32, torch.bfloat16, torch.float16)
 DENSE_MAX_ROWS = 2   # rows (tokens x sequences) of a call up to which the kernel computes a dense Linear
 
 
@@ -62,7 +61,7 @@ class KernelLinear(nn.Linear):
         w = self.weight
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         fp8 = self.stored_fp8
-        if 0 < rows <= DENSE_MAX_ROWS and w.device.type == "cpu" and (fp8 is not None or w.dtype in FLOAT_WEIGHTS):
+        if 0 < rows <= DENSE_MAX_ROWS and w.device.type == "cpu" and (fp8 is not None or w.dtype in FLOAT_DTYPES):
             if fp8 is not None:
                 stack = Fp8Stack(w.unsqueeze(0), self._buffers[fp8.scale_local].unsqueeze(0), fp8.row_block,
                                  fp8.block[1])
@@ -72,7 +71,7 @@ class KernelLinear(nn.Linear):
             dtype = fp8.compute_dtype if fp8 is not None else w.dtype
             if self.bias is not None:
                 out = out + self.bias.float()
-            return out.to(x.dtype if x.dtype in FLOAT_WEIGHTS else dtype).view(*x.shape[:-1], self.out_features)
+            return out.to(x.dtype if x.dtype in FLOAT_DTYPES else dtype).view(*x.shape[:-1], self.out_features)
         if fp8 is not None:
             w = dequantize_fp8(w, self._buffers[fp8.scale_local], fp8.block, dtype=fp8.compute_dtype,
                                parts=fp8.parts)

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..formats.quant import QuantFormat
-from ..kernels import Fp8Stack, Isa, Mxfp4Stack, expert_gemv, fp8_row_blocks
+from ..kernels import FLOAT_DTYPES, Fp8Stack, Isa, Mxfp4Stack, expert_gemv, fp8_row_blocks
 from .grouped import experts_math
 
 FUSED_MAX_ROWS = 16   # rows (tokens x sequences) of a call up to which the kernels compute it
@@ -45,7 +45,7 @@ def supports(module: nn.Module, quant: Mapping) -> str | None:
     for name, p in module.named_parameters(recurse=False):
         if name in quant or p.dim() != 3:
             continue
-        if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if p.dtype not in FLOAT_DTYPES:
             return f"{name}: {p.dtype} experts"
     return None
 
