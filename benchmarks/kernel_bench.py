@@ -1,4 +1,5 @@
-"""One MoE layer's routed experts at released model sizes: our stored-format kernels against memory speed and kt-kernel.
+"""One MoE layer's routed experts at released model sizes: our stored-format kernels against memory speed,
+llama.cpp's kernels and kt-kernel.
 
 What is timed is one decode step of one layer's routed experts, 1 token and 4 tokens, at 1 and 2 threads, with
 random weights (speed does not depend on their values) at the released configs' sizes:
@@ -26,11 +27,17 @@ kt-kernel (KTransformers' CPU MoE kernels, PyPI kt-kernel 0.7.2): in its own ven
 driven through its extension classes as its wrappers drive them (benchmarks/kernel_bench_kt.py says how). Its
 bf16, FP8 and MXFP4 kernels run the same formats; its INT8/INT4 (AMXInt8_MOE / AMXInt4_MOE, quantized online
 from bf16) and llamafile GGUF Q8_0 / Q4_0 kernels are extra rows in other formats (their own nominal bytes).
-"x kt-kernel" = the fastest kt-kernel class of the same format's time / ours (above 1: ours is faster). Before
+"x kt-kernel" = the fastest kt-kernel class of the same format's time / ours (above 1: ours is faster).
+
+llama.cpp (its ggml CPU kernels at the commit `make engines` built; benchmarks/kernel_bench_ggml.py builds a
+harness, benchmarks/ggml_layer.cpp, against them once): the graph llama.cpp builds for this FFN at decode, one
+process per format and thread count, the same ids. Formats: bf16 and MXFP4 (the same bytes as ours), Q8_0 against
+our FP8 (llama.cpp has no FP8; Q8_0 is its 8-bit format, 34 bytes per 32 weights against FP8's 32 + scales), Q4_0
+an extra row. "x llama.cpp" = llama.cpp's time for the compared format / ours. Before
 each row the script waits (up to --max-wait s) for other processes to use under 10% of the CPUs, and records
 their share of the CPU time while the row ran ("others' CPU").
 
-    .venv/bin/python benchmarks/kernel_bench.py [--quick] [--no-kt] [--reps N] [--max-wait S]
+    .venv/bin/python benchmarks/kernel_bench.py [--quick] [--no-kt] [--no-llama] [--reps N] [--max-wait S]
 
 --quick: Qwen3-30B-A3B only, 1 thread, 10 reps (a smoke check; writes bench-out/ only). Otherwise bench-out/
 and docs/ (kernel_bench.md, kernel_bench.json, kernel-bench.png).
@@ -53,6 +60,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kernel_bench_ggml as gg  # noqa: E402
 import kernel_bench_kt as kt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,6 +79,13 @@ KT = {   # (shape, format): kt-kernel classes, the one its wrappers pick on an A
     ("gpt-oss-20b", "mxfp4"): ["AMXFP4_KGroup_MOE", "AVX2MXFP4_MOE"],
     ("gpt-oss-20b", "bf16"): ["AMXBF16_MOE", "AVX2BF16_MOE"],
     ("DeepSeek-V2-Lite", "bf16"): ["AMXBF16_MOE", "AVX2BF16_MOE"],
+}
+GGML = {   # (shape, our format): llama.cpp formats run on the same ids (the first one is the one compared)
+    ("Qwen3-30B-A3B", "bf16"): ["bf16", "Q4_0"],
+    ("Qwen3-30B-A3B", "fp8"): ["Q8_0"],
+    ("gpt-oss-20b", "mxfp4"): ["mxfp4"],
+    ("gpt-oss-20b", "bf16"): ["bf16"],
+    ("DeepSeek-V2-Lite", "bf16"): ["bf16"],
 }
 EXTRA = {"int8": "INT8, per-row scales", "int4": "INT4, per-row scales", "Q8_0": "GGUF Q8_0", "Q4_0": "GGUF Q4_0"}
 WARMUP = 5
@@ -237,6 +252,21 @@ def kt_rows(py: Path | str, row: dict, dims: tuple, ids: dict, max_wait: float, 
                        "others": others.share}, H, I, ids[r["tokens"]]) for r in out["rows"]]
 
 
+def ggml_rows(binary: Path | str, row: dict, dims: tuple, ids: dict, max_wait: float) -> list[dict]:
+    """llama.cpp's rows for one format and thread count (1 and 4 tokens), or one row saying why there are none."""
+    if isinstance(binary, str):
+        return [{**row, "tokens": None, "error": binary}]
+    print(f"{row['shape']} {row['format']}: llama.cpp T={row['threads']} ...", file=sys.stderr)
+    wait_quiet(max_wait)
+    H, E, I, k = dims
+    with Others() as others:
+        out = gg.bench_ggml(binary, H, E, I, k, row["format"], row["threads"], ids, WARMUP)
+    if "error" in out:
+        return [{**row, "tokens": None, "error": out["error"]}]
+    return [summarize({**row, "tokens": r["tokens"], "times_us": r["times_us"], "others": others.share}, H, I,
+                      ids[r["tokens"]]) for r in out["rows"]]
+
+
 def run(args) -> dict:
     threads = [1] if args.quick else [1, 2]
     shapes = {n: s for n, s in SHAPES.items() if not args.quick or n == "Qwen3-30B-A3B"}
@@ -253,12 +283,21 @@ def run(args) -> dict:
         ver = subprocess.run([str(py), "-c", "import importlib.metadata as m; print(m.version('kt-kernel'))"],
                              capture_output=True, text=True).stdout.strip()
         res["kt"] = {"version": ver, "venv": str(kt.KT_VENV)}
+    binary, gwhy, res["llama_cpp"] = (None, "--no-llama", {}) if args.no_llama else gg.ensure_ggml()
+    llama_eng = f"llama.cpp {res['llama_cpp'].get('version', '')} (ggml)"
     for si, (name, (H, E, I, k, fmts)) in enumerate(shapes.items()):
         ids = {S: draw_ids(E, k, S, reps + WARMUP, seed=100 * si + S) for S in (1, 4)}
         for fmt in fmts:
             print(f"{name} {fmt}: ours ...", file=sys.stderr)
             for row in bench_ours(H, E, I, k, fmt, threads, ids, args.max_wait):
                 res["rows"].append(summarize({"shape": name, "format": fmt, **row}, H, I, ids[row["tokens"]]))
+        for (gname, ours), gfmts in GGML.items():
+            if gname != name or ours not in fmts:
+                continue
+            for fmt in gfmts[:1] if args.quick else gfmts:
+                for T in threads:
+                    res["rows"] += ggml_rows(binary or gwhy, dict(shape=name, format=fmt, threads=T, engine=llama_eng,
+                                                                  against=ours if fmt == gfmts[0] else None), (H, E, I, k), ids, args.max_wait)
         for (kname, fmt), classes in KT.items():
             if args.no_kt or kname != name or args.quick and fmt not in fmts:
                 continue
@@ -278,6 +317,11 @@ def run(args) -> dict:
                                                                           r["threads"])]
         if r["engine"] == "ours" and peers:
             r["x_kt"] = min(peers) / r["us"]
+        llama = [p["us"] for p in res["rows"] if p["engine"].startswith("llama.cpp") and "us" in p and
+                 (p["shape"], p["against"], p["tokens"], p["threads"]) == (r["shape"], r["format"], r["tokens"],
+                                                                           r["threads"])]
+        if r["engine"] == "ours" and llama:
+            r["x_llama"] = llama[0] / r["us"]
     res["load_end"] = loadavg()
     return res
 
@@ -285,21 +329,22 @@ def run(args) -> dict:
 # --- reports ------------------------------------------------------------------------------------------------------
 
 COLUMNS = ["shape", "format", "tokens", "threads", "engine", "us", "GB/s", "% of bandwidth", "x kt-kernel same format",
-           "others' CPU"]
+           "x llama.cpp", "others' CPU"]
 
 
 def cells(r: dict) -> list[str]:
     fmt = r["format"] + (f" ({EXTRA[r['format']]}: other format)" if r["format"] in EXTRA else "")
     if "error" in r:
         return [r["shape"], fmt, "1, 4", str(r["threads"]), r["engine"], "-", "-", "-", f"did not run: {r['error']}",
-                ""]
+                "", ""]
     return [r["shape"], fmt, str(r["tokens"]), str(r["threads"]), r["engine"], f"{r['us']:.0f}", f"{r['gbs']:.1f}",
-            f"{r['pct_bw']:.0f}%", f"{r['x_kt']:.2f}x" if "x_kt" in r else "", f"{r['others']:.0%}"]
+            f"{r['pct_bw']:.0f}%", f"{r['x_kt']:.2f}x" if "x_kt" in r else "",
+            f"{r['x_llama']:.2f}x" if "x_llama" in r else "", f"{r['others']:.0%}"]
 
 
 def markdown(res: dict) -> str:
-    m, ktinfo = res["machine"], res["kt"] or {}
-    lines = ["# Kernel bench: one MoE layer's routed experts, ours against memory speed and kt-kernel", "",
+    m, ktinfo, llama = res["machine"], res["kt"] or {}, res.get("llama_cpp") or {}
+    lines = ["# Kernel bench: one MoE layer's routed experts, ours against memory speed, llama.cpp and kt-kernel", "",
              "Written by `benchmarks/kernel_bench.py` (its docstring is the method in full).", "",
              f"- Machine: {m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB; torch {m['torch']}, Python "
              f"{m['python']}; our kernels' ISA path: {res['isa']}; tree {m['tree']}; {m['date']}.",
@@ -322,7 +367,13 @@ def markdown(res: dict) -> str:
              "does the same work in one call (submit + sync on its CPUInfer, as its wrappers do).",
              "- GB/s = distinct selected experts x 3*H*I weights x bytes per weight (bf16 2, FP8 1 + block "
              "scales, MXFP4 17/32; the extra formats their nominal size) / time. x kt-kernel = the fastest "
-             "kt-kernel class's time for the same shape, format, tokens and threads / ours.", "",
+             "kt-kernel class's time for the same shape, format, tokens and threads / ours.",
+             f"- llama.cpp: {llama.get('version', 'not run')} (commit {str(llama.get('commit'))[:7]}), its ggml CPU "
+             "kernels as `make engines` built them, driven by `benchmarks/ggml_layer.cpp` (the graph llama.cpp "
+             "builds for this FFN at decode: mul_mat_id gate and up, swiglu, mul_mat_id down, routing weights, sum; "
+             "one persistent thread pool, each ggml_graph_compute call timed). x llama.cpp = llama.cpp's time for "
+             "the same format / ours: bf16 and MXFP4 are the same bytes; our FP8 is compared with Q8_0, llama.cpp's "
+             "8-bit format (it has no FP8; 34 bytes per 32 weights); Q4_0 is an extra row.", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(cells(r)) + " |" for r in res["rows"]]
     return "\n".join(lines) + "\n"
@@ -378,6 +429,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="Qwen3-30B-A3B, 1 thread, 10 reps; bench-out/ only")
     ap.add_argument("--no-kt", action="store_true", help="skip kt-kernel")
+    ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp's kernels (built once from make engines' "
+                    "sources)")
     ap.add_argument("--reps", type=int, default=0, help="measured calls per row (default 40; --quick 10)")
     ap.add_argument("--max-wait", type=float, default=120, help="s to wait for other work to stop before each row")
     args = ap.parse_args(argv)
