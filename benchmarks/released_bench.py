@@ -6,7 +6,9 @@ Random-weight checkpoints with the exact layers of released models, a few of the
 - qwen3-30b-a3b, 8 of 48 layers (hidden 2048, 128 experts of 768, top-8, 32 heads of 128, 4 KV heads),
   bf16 (10.4 GiB) and FP8 (e4m3 + 128x128 block scales, as Qwen3-30B-A3B-FP8);
 - gpt-oss-20b, 4 of 24 layers (hidden 2880, 32 experts of 2880, top-4, sinks, sliding window), MXFP4 experts
-  (as released) and the same model in bf16 (--quant none).
+  (as released) and the same model in bf16 (--quant none);
+- deepseek-v2-lite, 6 of 27 layers (hidden 2048, multi-head latent attention, the first layer dense, then 64
+  routed experts of 1408, top-6, and 2 shared), bf16 (6.5 GiB).
 
 moe-offload arms (each in a fresh process: step_bench.run_child): the experts computed by the CPU kernels on
 the stored format (`fused`, the CLI's default: the dense Linears' decode calls too) and by transformers' eager
@@ -14,7 +16,7 @@ loop (`eager`, the Python API's default), resident; with --arms, `fused half-off
 in the host tier (uva: on a CPU ordinary memory, so this is the offload path's overhead). tok/s = 1 / median inter-token latency of 3 runs.
 llama.cpp: llama-completion's eval time (median of 3) on its own conversion of the same checkpoint: bf16 for
 bf16; Q8_0 beside FP8 (llama.cpp has no FP8 type: its nearest 8-bit format, converted from the bf16 model);
-gpt-oss's converter keeps the MXFP4 experts as MXFP4. vLLM CPU on the bf16 Qwen3 model (--vllm).
+gpt-oss's converter keeps the MXFP4 experts as MXFP4. vLLM CPU on every model it loads (--vllm; a model it refuses is a row saying why).
 Threads 1 and 2. Ratios: each row over llama.cpp at the same model and threads; FP8 / MXFP4 over the same
 model in bf16 (same engine, threads, arm); two threads over one.
 
@@ -45,6 +47,7 @@ MODELS = {   # label: (folder, make-tiny arguments, llama.cpp outtype, same mode
     "gpt-oss-20b bf16": ("gpt-oss-20b-4L-bf16", ["--like", "gpt-oss-20b", "--layers", "4", "--quant", "none"],
                          "bf16", None),
     "gpt-oss-20b MXFP4": ("gpt-oss-20b-4L", ["--like", "gpt-oss-20b", "--layers", "4"], "bf16", "gpt-oss-20b bf16"),
+    "deepseek-v2-lite bf16": ("deepseek-v2-lite-6L", ["--like", "deepseek-v2-lite", "--layers", "6"], "bf16", None),
 }
 ARMS = ["fused", "eager", "fused half-off"]   # the last only with --arms (not in the default run)
 PROMPT = sb.PROMPT
@@ -184,7 +187,7 @@ def measure(args) -> dict:
                 rows.append(row)
                 print(f"  {row.get('tok_s', 0):.2f} tok/s" + (f" {row['error'][-300:]}" if "error" in row else ""),
                       file=sys.stderr)
-        if args.vllm and label == "qwen3-30b-a3b bf16":
+        if args.vllm:
             print(f"{label}: vLLM ...", file=sys.stderr)
             rows += peers.vllm_rows(where, path, label, prompt_ids, args.tokens, threads)
     order = {a: i for i, a in enumerate([*ARMS, "llama.cpp", "vLLM"])}
@@ -214,7 +217,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, help="new tokens per run (default 32; 16 with --quick)")
     ap.add_argument("--arms", type=lambda s: [a.strip() for a in s.split(",")], default=["fused", "eager"],
                     help=f"moe-offload arms, comma-separated, of: {', '.join(ARMS)} (default fused,eager)")
-    ap.add_argument("--vllm", action="store_true", help="add vLLM CPU on the bf16 Qwen3 model (slow to load)")
+    ap.add_argument("--vllm", action="store_true", help="add vLLM CPU (slow to load)")
     ap.add_argument("--work", type=Path, default=ROOT / "models" / "released", help="where the models are kept")
     ap.add_argument("--out", type=Path, default=ROOT / "bench-out")
     ap.add_argument("--merge-into", type=Path, help="a saved json whose rows of the models measured now are "
