@@ -7,6 +7,7 @@ prefetch; each load drives `serve.engine.Engine` in-process (no HTTP), as `moe-o
   up to the reference's first near tie), and the engine's meter counts the same link bytes per decoded token as
   the runtime's counter over that generate;
 - eight requests together (distinct prompts): each one's tokens against its own generate, under the same rule;
+- a sampled request (temperature 1, seeded) twice: it completes on the device and draws the same tokens again;
 - decode tok/s of the engine at 1 and at 8 requests (all tokens after the first over the time after the first
   token), and the CUDA memory allocated after the runs against before them (the paged KV cache is made once).
 Alone: `gpu_check.py --only serve`.
@@ -37,14 +38,16 @@ def _reference(model, ids: list[int], n: int, dev):
     return out.sequences[0, len(ids):].tolist(), (top[:, 0] - top[:, 1]).tolist()
 
 
-def _serve(engine, prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
-    """Every prompt as one greedy request, all at once; (tokens of each, decode tok/s of them together)."""
+def _serve(engine, prompts: list[list[int]], n: int, temperature: float = 0.0,
+           seed: int | None = None) -> tuple[list[list[int]], float]:
+    """Every prompt as one request (greedy unless a temperature is given), all at once; (tokens of each, decode
+    tok/s of them together)."""
     from moe_offload.serve.protocol import TextRequest
 
     firsts, lasts = [], []
 
     async def one(ids):
-        req = TextRequest("completion", tuple(ids), n, 0.0, 1.0, None, (), True, False, True)
+        req = TextRequest("completion", tuple(ids), n, temperature, 1.0, seed, (), True, False, True)
         first = None
         async for ev in engine.generate(req):
             now = time.perf_counter()
@@ -97,6 +100,10 @@ def serve_load(label: str, folder: Path, kwargs: dict, args, dev, checks: Checks
         for i, (got, (want, margins)) in enumerate(zip(together, refs)):
             margin_rule(f"serve {label}: request {i} of {CONCURRENT} together equals its generate", got, want, margins,
                         checks)
+        # sampled (OpenAI's default temperature 1): drawn on the logits' device; a seed draws the same tokens again
+        sampled = [_serve(engine, prompts[:1], n, temperature=1.0, seed=3)[0][0] for _ in range(2)]
+        checks.check(f"serve {label}: a sampled request (temperature 1, seeded) completes, the same tokens twice",
+                     len(sampled[0]) == n and sampled[0] == sampled[1], f"{sampled[0]} / {sampled[1]}")
         _serve(engine, prompts, n)
         _sync(dev)
         if before is not None:

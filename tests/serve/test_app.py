@@ -76,6 +76,18 @@ def test_greedy_completions_running_together_each_equal_generate(main):
     assert got == [text_of(tok, refs[p]) for p in PROMPTS[:6]]
 
 
+def test_a_request_with_openais_default_temperature_is_sampled_and_completes(main):
+    # no temperature sent: OpenAI's default is 1, so the request is sampled (by the sampler on the logits'
+    # device); seeded, it draws the same text again, and that text is not the argmax's
+    live, tok, refs = main
+    c = client(live.url)
+    ask = dict(model="tiny", prompt=PROMPTS[0], max_tokens=NEW, seed=3, extra_body={"ignore_eos": True})
+    got = [c.completions.create(**ask) for _ in range(2)]
+    assert [g.choices[0].finish_reason for g in got] == ["length"] * 2
+    assert got[0].usage.completion_tokens == NEW and got[0].choices[0].text == got[1].choices[0].text
+    assert got[0].choices[0].text != text_of(tok, refs[PROMPTS[0]])
+
+
 def test_a_streamed_completion_is_the_same_text_in_chunks(main):
     live, tok, refs = main
     stream = client(live.url).completions.create(prompt=PROMPTS[2], stream=True,

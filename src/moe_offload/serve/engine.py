@@ -9,7 +9,8 @@ the counters count it).
 
 Admission is ours, in front of the manager: at most `max_concurrency` sequences are in the batch, at most
 `max_queue` requests wait for a slot, and a request beyond both is refused at once (`QueueFull` -> 429).
-Greedy requests are the manager's argmax; sampled ones draw in `sampling.Sampler` with their own generator.
+Greedy requests are the manager's argmax; sampled ones draw in `sampling.Sampler`, keyed by their own seed, on the
+logits' device.
 Text is detokenized incrementally; `stop` strings end a sequence (it is cancelled in the manager) and are
 not returned. A request whose consumer goes away (the client disconnected) is cancelled at once: its slot
 is free for the next request and the manager frees its KV blocks at its next step.
