@@ -140,8 +140,8 @@ def test_the_reader_resolves_what_a_module_imports(tmp_path):
 
 
 def test_the_architecture_tree_is_the_package():
-    """docs/ARCHITECTURE.md lists every module once, in the folder it is in, and nothing that is not there."""
-    text = (PACKAGE.parents[1] / "docs" / "ARCHITECTURE.md").read_text()
+    """docs/architecture.md lists every module once, in the folder it is in, and nothing that is not there."""
+    text = (PACKAGE.parents[1] / "docs" / "architecture.md").read_text()
     tree = text.split("```text\n", 1)[1].split("```", 1)[0].splitlines()[1:]   # below `src/moe_offload/`
     listed, folder = [], None
     for line in filter(str.strip, tree):
@@ -155,7 +155,7 @@ def test_the_architecture_tree_is_the_package():
     assert len(listed) == len(set(listed)), "a module is listed twice"
     actual = {m.removesuffix(".__init__") if m != "__init__" else m for m in MODULES
               if not m.endswith(".__init__")}
-    assert set(listed) == actual, (f"not in docs/ARCHITECTURE.md: {sorted(actual - set(listed))}; "
+    assert set(listed) == actual, (f"not in docs/architecture.md: {sorted(actual - set(listed))}; "
                                    f"listed but not in the package: {sorted(set(listed) - actual)}")
 
 

@@ -1,4 +1,4 @@
-"""`moe-offload generate` and `make-tiny` through the CLI entry point (the contract in ../shared/CLI.md)."""
+"""`moe-offload generate` and `make-tiny` through the CLI entry point (the contract in docs/cli.md)."""
 
 import json
 import shutil

@@ -1,4 +1,4 @@
-"""`moe-offload plan` against the contract in shared/CLI.md.
+"""`moe-offload plan` against the contract in docs/cli.md.
 
 The model is a config.json alone (no weights: plan builds it on the meta device):
 Qwen3-MoE, hidden 32, 2 layers, 4 experts, top-k 2, vocab 128, float32 (4 bytes per element).

@@ -1,4 +1,4 @@
-"""`--plan PLAN.json` on generate and bench (CLI.md: "`--plan PLAN.json` everywhere a placement is used").
+"""`--plan PLAN.json` on generate and bench (docs/cli.md: "`--plan PLAN.json` everywhere a placement is used").
 
 A plan saved by `plan --save` loads exactly as planning the same budget does (same tokens, same offloaded and
 link bytes); bench measures it as the arm `plan`, its settings read back from the loaded model; budget options,

@@ -1,5 +1,5 @@
 """`moe-offload serve` as a user runs it: a child process on a free port, driven over HTTP (the contract in
-../shared/CLI.md, `serve`).
+docs/cli.md, `serve`).
 
 One tiny Qwen3-MoE (2 layers, 8 experts, top-k 2) is made per module. Two servers start together and serve most
 checks (`plain`: the defaults; `keyed`: --api-key and --served-model-name); the SIGTERM check starts its own,

@@ -1,4 +1,4 @@
-"""Routing traces: the file format of CLI.md, written and read back, and every rule of it checked with its line."""
+"""Routing traces: the file format of docs/cli.md, written and read back, and every rule of it checked with its line."""
 
 from __future__ import annotations
 

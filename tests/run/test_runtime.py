@@ -1,7 +1,7 @@
 """The runtime: measured link bytes equal a hand count from the routing that happened; honest mechanism
 report on CPU; reused staging buffers; detach leaves no hook behind.
 
-Hand count of one forward call (DESIGN.md: a token pays the bytes of each offloaded tensor it reads):
+Hand count of one forward call (docs/design.md: a token pays the bytes of each offloaded tensor it reads):
 
     sum over MoE layers of  distinct experts the router selected (over every token of the call)
                             x bytes of one expert's slice of each offloaded routed-expert tensor of that layer

@@ -1,7 +1,7 @@
 """moe-offload: plan, load, run and benchmark MoE models whose weights do not fit on the accelerator.
 
 The first line is also `moe-offload --help`'s description. Commands, options and JSON fields are a
-stable contract (CLI.md in the project's design notes): extend them, never break them.
+stable contract (docs/cli.md): extend them, never break them.
 
 Human output goes to the terminal; `--json` prints one JSON document on stdout and nothing
 else there. A user error exits with status 2 and one `error:` line on stderr.
@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("profile", help="record which experts the routers pick, token by token, as a trace")
     pr.add_argument("model", help="model folder (config.json, safetensors, tokenizer)")
-    pr.add_argument("--out", required=True, metavar="TRACE", help="the trace file to write (JSON Lines, CLI.md)")
+    pr.add_argument("--out", required=True, metavar="TRACE", help="the trace file to write (JSON Lines, docs/cli.md)")
     pr.add_argument("--prompts", metavar="FILE", help="one prompt per line (default: the built-in varied prompts)")
     pr.add_argument("--max-new-tokens", type=int, default=32,
                     help="decode tokens recorded per prompt, each run through the model (default 32)")

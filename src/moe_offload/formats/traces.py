@@ -1,4 +1,4 @@
-"""Routing traces: which experts the routers picked, token by token (the format of CLI.md).
+"""Routing traces: which experts the routers picked, token by token (the format of docs/cli.md).
 
 A trace is JSON Lines. Line 1 is the header; every other line is one token of one sequence:
 
@@ -90,7 +90,7 @@ def _is_int(value) -> bool:
 
 
 def _header_from(obj, where: str) -> TraceHeader:
-    fix = f"line 1 must be the header {{\"format\": \"{FORMAT}\", \"version\": {VERSION}, ...}} (CLI.md)"
+    fix = f"line 1 must be the header {{\"format\": \"{FORMAT}\", \"version\": {VERSION}, ...}} (docs/cli.md)"
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: the header is not a JSON object; {fix}")
     if obj.get("format") != FORMAT:

@@ -15,7 +15,7 @@ loop, its disk bytes per token measured from /proc/self/io (see accelerate_arm.p
 always exactly `max_new_tokens` tokens (EOS ignored). One warm-up run per (arm, c) is
 discarded, then `runs` runs are measured. Link traffic is what the runtime's LinkCounter
 counted during the decode steps (prefill excluded), never derived from model size
-(DESIGN.md rule 6). `settings` is read back from the loaded model (readback.py): which tensors'
+(docs/design.md, rule 6). `settings` is read back from the loaded model (readback.py): which tensors'
 bytes actually lie in the host arena, by role. The rows are made in runtime_rows.py.
 
 A device-side expert cache (`cache_gb`, `cache_policy`) is the same for every arm. Each run

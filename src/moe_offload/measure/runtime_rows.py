@@ -3,7 +3,7 @@ then the measured runs, each started with an empty device cache), and the row ma
 runtime's counters and the settings read back from the model (readback.py).
 
 Link traffic is what the runtime's LinkCounter counted during the decode steps (prefill excluded), never
-derived from model size (DESIGN.md rule 6). `bf16_link_bytes_per_token` is what the same placement would have
+derived from model size (docs/design.md, rule 6). `bf16_link_bytes_per_token` is what the same placement would have
 read with every offloaded tensor at 2 bytes per element, from the measured runs' own routing (recorded only
 where some offloaded tensor is not 2 bytes per element).
 """

@@ -198,7 +198,7 @@ def _percentile(xs: Sequence[float], q: float) -> float:
 
 
 def timing_fields(arm_name: str, c: int, runs: list[Run], max_new_tokens: int) -> dict:
-    """The timing columns of a row, one definition for every arm (see the README's metric definitions)."""
+    """The timing columns of a row, one definition for every arm (docs/cli.md, bench, defines them)."""
     itl = [s for r in runs for s in r.itl_s]
     itl_p50 = _percentile(itl, 50)
     per_run_wall = [c * max_new_tokens / r.wall_s for r in runs]

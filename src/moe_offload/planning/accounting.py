@@ -1,4 +1,4 @@
-"""The one definition of the bytes a decoded token reads from each tier (DESIGN.md, "accounting").
+"""The one definition of the bytes a decoded token reads from each tier (docs/design.md, "Accounting").
 
 The planner's estimate (Plan.link_bytes_per_token), `replay` and the runtime's LinkCounter all
 count the same thing. At batch 1 a decode token reads, from the tier where each lies:

@@ -1,4 +1,4 @@
-"""Access density: the expected fraction of a tensor's bytes that one decoded step reads (DESIGN.md),
+"""Access density: the expected fraction of a tensor's bytes that one decoded step reads (docs/design.md),
 and the expert axis a fused routed-expert tensor may be offloaded along, expert by expert.
 
     untied input embedding / lookup table     rows read / rows          min(b, rows) / rows

@@ -1,7 +1,7 @@
 """The planner: records + budget + policy -> Plan. A pure function of its inputs.
 
 Every tensor is ranked by its access density, the expected fraction of its bytes one
-decoded step reads (DESIGN.md; density.py computes it):
+decoded step reads (docs/design.md; density.py computes it):
 
     untied input embedding / lookup table     rows read / rows
     routed expert tensor (E experts, top-k)   1 - (1 - k/E)^b   (b = sequences decoded together)

@@ -173,7 +173,7 @@ class BeladyCache(ExpertCache):
         return victims
 
 
-HEAT_HALF_LIFE = 24.0  # sweeps (decode steps); chosen on training-domain routing, see the README
+HEAT_HALF_LIFE = 24.0  # sweeps (decode steps); chosen on training-domain routing, see docs/results.md (expert caches)
 
 
 class HeatCache(_ScoredCache):
