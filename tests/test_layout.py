@@ -166,3 +166,17 @@ def test_the_tests_mirror_the_rooms():
     rooms = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
     assert folders == rooms, (f"sub-packages without tests/<room>/: {sorted(rooms - folders)}; "
                               f"test folders that are not rooms: {sorted(folders - rooms)}")
+
+
+def test_only_the_runtime_accessor_reads_the_runtime_off_a_model():
+    """`model.moe_offload_runtime` is the public attribute (docs/python-api.md); inside the package it is read and
+    set only through run/runtime.py's runtime_of / set_runtime: no other module names it in code."""
+    named = []
+    for module, path in MODULES.items():
+        if module == "run.runtime":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr == "moe_offload_runtime") or \
+                    (isinstance(node, ast.Constant) and node.value == "moe_offload_runtime"):
+                named.append(f"{module}:{node.lineno}")
+    assert not named, f"read the runtime through run.runtime.runtime_of, not the attribute: {named}"

@@ -14,11 +14,12 @@ from .run.offloader import Offloader
 from .planning.placement import Plan, PlannedTensor, Policy, Tier
 from .model.roles import Role
 from .api import audit, load, plan, transform_weights, update_weights
+from .loading.handle import Loaded
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "plan", "load", "audit", "Offloader", "transform_weights", "update_weights", "Plan", "PlannedTensor", "Policy", "Tier", "Role", "Inventory", "TensorRecord",
+    "plan", "load", "Loaded", "audit", "Offloader", "transform_weights", "update_weights", "Plan", "PlannedTensor", "Policy", "Tier", "Role", "Inventory", "TensorRecord",
     "MoeOffloadError", "ConfigError", "CheckpointError", "BudgetError", "SelectorError", "DeviceError", "AuditError",
     "TraceError", "PlanMismatchError",
 ]

@@ -14,7 +14,10 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: "Plan | st
          dtype: str | None = None, progress: bool = False, cache_gb: float | None = None,
          cache_policy: str | None = None, experts: str | None = None, host_cache_gb: float | None = None,
          lookahead: int = 0, lookahead_from: str = "output", disk_read: str = "direct", **budget):
-    """Build a model from a local checkpoint straight into its plan; returns (model, plan).
+    """Build a model from a local checkpoint straight into its plan; returns (model, plan), as a `Loaded` handle:
+    `model, plan = mo.load(...)` as always, or `with mo.load(...) as loaded:` (`loaded.model`, `loaded.plan`,
+    `loaded.runtime`), which closes it at the end: worker threads stopped, hooks removed, host arena and caches
+    freed, the model emptied (loading/handle.py). `loaded.close()` does the same at any time.
 
     Budget options as for `plan` (offload_gb, device_memory_gb, reserve_gb, host_memory_gb,
     cpu_only, policy, offload_params, batch), or `plan=` a Plan / saved plan JSON. The model is an ordinary

@@ -52,6 +52,7 @@ def cmd_generate(args) -> int:
     from ..run.device_cache import cache_stats
     from ..run.host_cache import host_cache_stats
     from ..run.lookahead import lookahead_stats
+    from ..run.runtime import runtime_of
     from ..planning.placement import format_bytes
 
     if args.max_new_tokens < 1:
@@ -61,7 +62,7 @@ def cmd_generate(args) -> int:
         raise MoeOffloadError('--prompt "" is empty: there is no text to continue; give the text to continue, '
                               'e.g. --prompt "The river"')
     model, plan, tokenizer = load_for_cli(args)
-    runtime = model.moe_offload_runtime
+    runtime = runtime_of(model)
     enc = tokenizer(args.prompt, return_tensors="pt").to(runtime.device)
     if enc["input_ids"].shape[1] == 0:
         raise MoeOffloadError("the prompt encodes to no tokens: give a non-empty --prompt")

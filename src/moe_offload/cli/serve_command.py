@@ -36,6 +36,7 @@ def _model_context(folder: Path) -> int:
 def cmd_serve(args) -> int:
     from ..planning.planner import DEFAULT_RESERVE_GB
     from ..planning.placement import format_bytes
+    from ..run.runtime import runtime_of
     from ..serve.server import ServeOptions, bind, check_options, kv_cache_bytes, run
     from .options import model_path
     from .report import print_plan
@@ -77,15 +78,15 @@ def cmd_serve(args) -> int:
         kv = kv_cache_bytes(model, opts)
         if args.device_memory is not None:
             reserve = args.reserve_gb if args.reserve_gb is not None else DEFAULT_RESERVE_GB
-            room = int(reserve * 2**30) - (model.moe_offload_runtime.cache.capacity_bytes
-                                           if model.moe_offload_runtime.cache is not None else 0)
+            room = int(reserve * 2**30) - (runtime_of(model).cache.capacity_bytes
+                                           if runtime_of(model).cache is not None else 0)
             if kv > room:
                 raise MoeOffloadError(f"the KV cache for {opts.max_concurrency} sequences of {opts.context} tokens "
                                       f"needs {format_bytes(kv)}, more than the {format_bytes(max(room, 0))} left of "
                                       f"--reserve-gb {reserve}: lower --max-concurrency or --max-model-len, or raise "
                                       "--reserve-gb")
         print_plan(plan)
-        rt = model.moe_offload_runtime
+        rt = runtime_of(model)
         print(f"-- {rt.mechanism}", file=sys.stderr)
         print(f"-- KV cache: {format_bytes(kv)} (paged: {opts.max_concurrency} sequences x {opts.context} tokens); "
               f"chat template: {'yes' if getattr(tokenizer, 'chat_template', None) else 'none (only /v1/completions)'}",

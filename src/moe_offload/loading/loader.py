@@ -36,8 +36,10 @@ from ..planning.plan_check import check_plan, plan_dtype
 from ..formats.quant import spec_from_config
 from ..run.quant_weights import checkpoint_owner, quant_layouts
 from ..storage.host import HostArena, resolve_device, set_tensor
+from .handle import Loaded
 from .allocate import allocate
 from .stream import stream_checkpoint
+from ..run.runtime import set_runtime
 
 
 @contextlib.contextmanager
@@ -180,7 +182,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
                           lookahead=Lookahead(lookahead, source=lookahead_from) if lookahead and _offloads_experts(plan)
                           else None)
         runtime.attach()
-        model.moe_offload_runtime = runtime
+        set_runtime(model, runtime)
         mismatches = audit(model, plan)
         if mismatches:
             raise AuditError(mismatches)
@@ -190,7 +192,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
         if disk is not None:
             disk.close()
         raise
-    return model, plan
+    return Loaded(model, plan)
 
 
 def load_tokenizer(folder: Path):

@@ -35,7 +35,6 @@ machinery's overhead, not a link, and link bytes per token is the figure that ca
 
 from __future__ import annotations
 
-import gc
 import math
 from pathlib import Path
 from typing import Callable, Sequence
@@ -228,10 +227,11 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str | None = None,
                         advance=lambda: bar.advance(task))
                     continue
                 tracked, first_row = reset_peak_rss(), len(rows)   # peak RSS over this arm's load and runs
-                model, applied = load(folder, device=dev, backend=backend, dtype=dtype, cache_gb=cache_gb,
-                                      cache_policy=cache_policy, experts=experts, host_cache_gb=host_cache_gb,
-                                      lookahead=lookahead, lookahead_from=lookahead_from, disk_read=disk_read,
-                                      **arm.load_kwargs(budget, stats, plan))
+                loaded = load(folder, device=dev, backend=backend, dtype=dtype, cache_gb=cache_gb,
+                              cache_policy=cache_policy, experts=experts, host_cache_gb=host_cache_gb,
+                              lookahead=lookahead, lookahead_from=lookahead_from, disk_read=disk_read,
+                              **arm.load_kwargs(budget, stats, plan))
+                model, applied = loaded
                 try:
                     for c in levels:
                         batch = batch_prompts(prompts, c, same_prompt)
@@ -247,13 +247,9 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str | None = None,
                     for row in rows[first_row:]:
                         row["peak_rss_bytes"] = peak
                 finally:
-                    # Free this arm before the next one loads: hooks off, model gone, then the host slabs.
-                    runtime = model.moe_offload_runtime
-                    runtime.detach()
-                    arena = runtime.arena
-                    del model, applied, runtime
-                    gc.collect()
-                    arena.release()
+                    # Free this arm before the next one loads: workers, hooks, caches, host slabs, the model.
+                    loaded.close()
+                    del model, applied, loaded
                     if dev.type == "cuda":
                         torch.cuda.empty_cache()
     finally:

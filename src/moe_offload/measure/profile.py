@@ -26,6 +26,7 @@ from ..run.state import RoutedCall
 from ..planning.placement import Plan
 from ..formats.traces import Phase, TraceHeader, TraceRow, TraceWriter, read_trace, skew_summary
 from .timing import pad_token_id, past_eos
+from ..run.runtime import runtime_of
 
 DEFAULT_MAX_NEW_TOKENS = 32
 
@@ -100,7 +101,7 @@ def record(model, tokenizer, prompts: Sequence[str], writer: TraceWriter, *, max
 
     `predict`: decode rows also carry `predicted`, per layer the experts run/lookahead.RouterPredictor names for it
     from the layer before (what `--lookahead 1` would read ahead), for replay to count."""
-    runtime = model.moe_offload_runtime
+    runtime = runtime_of(model)
     calls: list[RoutedCall] = []
     predictions, handles = _predicting(model, calls) if predict else (None, [])
     kwargs = dict(max_new_tokens=max_new_tokens + 1, do_sample=False)

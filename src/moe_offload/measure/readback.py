@@ -9,6 +9,8 @@ from collections import defaultdict
 
 import torch
 
+from ..run.runtime import runtime_of
+
 SHOWN_NAMES = 32  # offloaded tensor names listed in `settings`; the count is always exact
 
 
@@ -17,7 +19,7 @@ def applied_settings(model, plan, *, resident: bool = False) -> dict:
 
     `resident`: the arm loaded at a zero budget, whose plan carries the default policy's name although no
     policy chose anything; it is reported as policy "resident" once the arena confirms it holds nothing."""
-    rt = model.moe_offload_runtime
+    rt = runtime_of(model)
     role_of = {t.name: t.role for t in plan.tensors}
     # The scales of a quantized tensor (a buffer beside it, quant_weights.py) count with it, under its role.
     owner_of = {q.scale_name: name for name, q in rt.quant.items()}
@@ -52,7 +54,7 @@ def applied_settings(model, plan, *, resident: bool = False) -> dict:
 
 def device_resident_bytes(model) -> int:
     """Bytes of weights and staging buffers that live on the run device (not in the host arena)."""
-    rt = model.moe_offload_runtime
+    rt = runtime_of(model)
     seen: set[int] = set()
     total = 0
     for _, t in [*model.named_parameters(), *model.named_buffers()]:

@@ -19,6 +19,7 @@ from . import timing   # timing.greedy looked up at each run: one instrument (or
 from .arms import Arm
 from .readback import applied_settings, device_resident_bytes
 from .timing import Run, measured_link_bytes, timing_fields
+from ..run.runtime import runtime_of
 
 
 def measure(model, enc, runs: int, max_new_tokens: int, device: torch.device, describe, advance, *,
@@ -35,19 +36,19 @@ def measure(model, enc, runs: int, max_new_tokens: int, device: torch.device, de
     with torch.no_grad():
         for i in range(runs + 1):
             describe("warm-up" if i == 0 else f"run {i}/{runs}")
-            model.moe_offload_runtime.counter.reset()
+            runtime_of(model).counter.reset()
             if i <= 1:   # the disk counter keeps every measured run (the warm-up's steps dropped)
-                model.moe_offload_runtime.disk_counter.reset()
-            cache = model.moe_offload_runtime.cache
+                runtime_of(model).disk_counter.reset()
+            cache = runtime_of(model).cache
             if cache is not None:
                 cache.reset()
-            host_cache = model.moe_offload_runtime.host_cache
+            host_cache = runtime_of(model).host_cache
             if host_cache is not None:
                 host_cache.reset()
-            lookahead = model.moe_offload_runtime.lookahead
+            lookahead = runtime_of(model).lookahead
             if lookahead is not None:
                 lookahead.reset()
-            rt, calls = model.moe_offload_runtime, []
+            rt, calls = runtime_of(model), []
             record = i > 0 and needs_routing(rt.plan)
             if record:   # the routing of the measured runs, for bf16_link_bytes_per_token
                 rt.recorder = calls.append
@@ -123,7 +124,7 @@ def _lookahead_fields(runs: list[Run], rt) -> dict:
 
 def make_row(arm: Arm, c: int, runs: list[Run], model, plan, *, prompts: list[str], same_prompt: bool,
               max_new_tokens: int, link_gbps: float | None, model_name: str, budget_label: str) -> dict:
-    rt = model.moe_offload_runtime
+    rt = runtime_of(model)
     link = measured_link_bytes(c, runs)
     if rt.device.type == "cuda":
         device_bytes = torch.cuda.max_memory_allocated(rt.device)

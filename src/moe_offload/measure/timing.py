@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+from ..run.runtime import runtime_of
 
 
 def batch_prompts(prompts: Sequence[str], c: int, same_prompt: bool) -> list[str]:
@@ -69,8 +70,8 @@ class _RuntimeMeter:
     accelerate arm has its own, accelerate_arm.AccelerateArm)."""
 
     def __init__(self, model):
-        self.counter = model.moe_offload_runtime.counter
-        self.disk = model.moe_offload_runtime.disk_counter
+        self.counter = runtime_of(model).counter
+        self.disk = runtime_of(model).disk_counter
 
     def before_step(self) -> None:
         pass
@@ -169,7 +170,7 @@ def greedy_generate(model, enc, max_new_tokens: int, device: torch.device, **gen
     """The same greedy run through `model.generate` (exactly max_new_tokens tokens, EOS ignored), timed token by
     token: the driver of the compiled decode step (run/compiled.py), which needs generate's static KV cache. Link
     bytes per decode step are the runtime's counters of each forward call (one call per token)."""
-    rt = model.moe_offload_runtime
+    rt = runtime_of(model)
     first = len(rt.counter.calls)
     clock = TokenClock(device)
     from ..run.compiled import decoding

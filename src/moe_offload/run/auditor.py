@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from ..planning.placement import Plan, Tier
+from .runtime import runtime_of
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ def actual_tier(tensor, arena, device) -> str:
 
 def audit(model: nn.Module, plan: Plan) -> list[Mismatch]:
     """Every tensor whose actual tier differs from `plan`; empty when all is in place."""
-    runtime = getattr(model, "moe_offload_runtime", None)
+    runtime = runtime_of(model, required=False)
     arena = runtime.arena if runtime is not None else None
     device = runtime.device if runtime is not None else next(model.parameters()).device
     tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}

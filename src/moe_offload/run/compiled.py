@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from .grouped import check_kernels
+from .runtime import runtime_of
 
 # Families whose decoding cache is not a static KV cache transformers can compile (state-space / linear
 # attention layers keep their own recurrent state).
@@ -44,7 +45,7 @@ def check_compile(model) -> None:
     if kind in NOT_COMPILABLE:
         raise MoeOffloadError(f"--compile: {kind} decodes with {NOT_COMPILABLE[kind]}, whose cache transformers "
                               "does not compile with a static KV cache; run without --compile")
-    check_kernels(model.moe_offload_runtime.device, "--compile")
+    check_kernels(runtime_of(model).device, "--compile")
 
 
 def compile_config(device: torch.device):
@@ -61,7 +62,7 @@ def compile_config(device: torch.device):
 def compile_kwargs(model) -> dict:
     """The keyword arguments of `model.generate` that decode through the compiled step."""
     check_compile(model)
-    return {"cache_implementation": "static", "compile_config": compile_config(model.moe_offload_runtime.device)}
+    return {"cache_implementation": "static", "compile_config": compile_config(runtime_of(model).device)}
 
 
 def decoding(model):

@@ -47,6 +47,29 @@ if TYPE_CHECKING:
 BACKENDS = ("uva", "prefetch")
 
 
+# The public attribute a loaded model carries (docs/python-api.md); read and set only through these three.
+RUNTIME_ATTR = "moe_offload_runtime"
+
+
+def runtime_of(model: nn.Module, *, required: bool = True) -> "Runtime | None":
+    """The runtime moe_offload.load attached to `model`; None (required=False) or an error where it has none."""
+    runtime = getattr(model, RUNTIME_ATTR, None)
+    if runtime is None and required:
+        from ..errors import MoeOffloadError
+
+        raise MoeOffloadError(f"this {type(model).__name__} has no moe-offload runtime: it was not loaded by "
+                              "moe_offload.load, or it was closed (load it again)")
+    return runtime
+
+
+def set_runtime(model: nn.Module, runtime: "Runtime | None") -> None:
+    """Attach `runtime` to `model` (None: take it off, as closing does)."""
+    if runtime is None:
+        model.__dict__.pop(RUNTIME_ATTR, None)
+    else:
+        setattr(model, RUNTIME_ATTR, runtime)
+
+
 class Runtime(RunState):
     """One loaded model's runtime: its host arena and plan, and the hooks that read offloaded weights (on the
     counters, staging buffers and hook handles of RunState)."""
@@ -189,6 +212,23 @@ class Runtime(RunState):
             self.host_cache.drop_all()
         self.routes.clear()
         self.routed.clear()
+
+    def close(self) -> None:
+        """Stop every worker (look-ahead reads and copies, disk reads), remove every hook, drop the caches and
+        staging buffers and release the host arena and the disk tier's files. Idempotent. The model's offloaded
+        weights are no longer readable afterwards: loading.handle.Loaded.close empties the model too."""
+        if getattr(self, "closed", False):
+            return
+        self.closed = True
+        self.detach()
+        if self.lookahead is not None:
+            self.lookahead.close()
+        if self.disk is not None:
+            self.disk.close()
+        self._staging.clear()
+        self.host_tensors.clear()
+        if self.arena is not None:
+            self.arena.release()
 
     def invalidate_staging(self, names=None) -> None:
         """Weights were written in place (update_weights): prefetched copies of them are stale, and so are the

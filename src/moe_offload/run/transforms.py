@@ -27,12 +27,13 @@ import torch.nn as nn
 from .auditor import audit
 from ..errors import AuditError, MoeOffloadError
 from ..storage.host import set_tensor
+from .runtime import runtime_of
 
 Transform = Callable[[str, torch.Tensor], torch.Tensor]
 
 
 def _runtime(model: nn.Module):
-    runtime = getattr(model, "moe_offload_runtime", None)
+    runtime = runtime_of(model, required=False)
     if runtime is None:
         raise MoeOffloadError("this model was not loaded by moe_offload.load: there is no placement to keep; "
                               "load it with moe_offload.load(...) first")

@@ -28,6 +28,7 @@ from typing import AsyncIterator
 
 from .protocol import ApiError, TextRequest
 from .sampling import Sampler, install
+from ..run.runtime import runtime_of
 
 
 class QueueFull(Exception):
@@ -122,7 +123,7 @@ class Engine:
                                       max_requests_per_batch=limits.max_concurrency, allow_block_sharing=False,
                                       use_cuda_graph=False, max_queue_size=0)
         self.manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
-        device = model.moe_offload_runtime.device
+        device = runtime_of(model).device
         if model.device != device:   # a disk-tier first parameter (its placeholder is meta)
             self.manager.model = _OnDevice(model, device)
         self.sampler = Sampler()

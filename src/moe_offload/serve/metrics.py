@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import threading
 
+from ..run.runtime import runtime_of
+
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
@@ -21,7 +23,7 @@ class Meter:
     """Running totals of the runtime's counters: host-link and disk bytes, split by decode and prefill calls."""
 
     def __init__(self, model):
-        self.runtime = model.moe_offload_runtime
+        self.runtime = runtime_of(model)
         self.lock = threading.Lock()
         self.decode_steps = self.decode_tokens = 0        # decode calls, and the sequences' tokens in them
         self.decode_host = self.decode_disk = 0           # bytes those calls read

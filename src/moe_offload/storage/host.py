@@ -210,6 +210,22 @@ class HostArena:
         self._finalizer()
 
 
+def trim_heap() -> bool:
+    """Hand the C heap's free pages back to the OS (glibc's malloc_trim), so that a closed model's memory leaves
+    the process's RSS: tensors below glibc's mmap threshold come from the heap, which keeps freed pages. False
+    where the C library has no malloc_trim (not glibc): nothing to do there."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
+
+
 def _release_slabs(slabs: list[Slab]) -> None:
     for slab in slabs:
         if slab.registered:
