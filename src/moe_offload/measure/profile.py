@@ -99,7 +99,7 @@ def record(model, tokenizer, prompts: Sequence[str], writer: TraceWriter, *, max
            ignore_eos: bool = False, predict: bool = False) -> list[SequenceRecord]:
     """Decode each prompt greedily on a loaded model (offloaded or not) and write its tokens' routing.
 
-    `predict`: decode rows also carry `predicted`, per layer the experts run/lookahead.RouterPredictor names for it
+    `predict`: decode rows also carry `predicted`, per layer the experts run/router_predictor.RouterPredictor names for it
     from the layer before (what `--lookahead 1` would read ahead), for replay to count."""
     runtime = runtime_of(model)
     calls: list[RoutedCall] = []
@@ -140,7 +140,7 @@ def _predicting(model, calls: list) -> tuple[list[dict], list]:
     """Forward hooks on the decoder layers that note, per forward call, RouterPredictor's guess for each next
     layer (layer -> ids); returns (per call, its guesses) and the hook handles."""
     from ..model.inventory import layer_of, layer_prefix
-    from ..run.lookahead import RouterPredictor
+    from ..run.router_predictor import RouterPredictor
 
     predictor = RouterPredictor(model)
     per_call: list[dict] = []

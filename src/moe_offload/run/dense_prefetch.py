@@ -80,7 +80,7 @@ class DenseRing:
                 h = mod._moe_offload_host[n]
                 v = self.rt.buffer(("module", id(mod), n), tuple(h.shape), h.dtype)
                 v.copy_(h, non_blocking=True)
-                set_tensor(mod, n, v)
+                self.rt.staged_params.put(mod, n, v)
             return None
         if self.last is not None and id(mod) not in self.order.get(self.last, ()):
             self.order[self.last] = (id(mod),)
@@ -94,7 +94,7 @@ class DenseRing:
                 torch.cuda.current_stream(self.rt.device).wait_event(self.ready[self.slot])
             views = self._copy_into(self.slot, mod, locals_)
         for n, v in zip(locals_, views):
-            set_tensor(mod, n, v)
+            self.rt.staged_params.put(mod, n, v)
         self._prefetch_next(mod)
         return None
 

@@ -52,7 +52,7 @@ from ..planning.placement import GiB, format_bytes
 
 from .experts import ExpertsState
 from .pages import PagedCache
-from .state import RunState
+from .state import RunState, Selected
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -219,11 +219,11 @@ class DeviceCache(PagedCache):
                 "cache_page_bytes": self.page_bytes}
 
     # --- one layer step ----------------------------------------------------------------------
-    def gather(self, rt: RunState, state: ExpertsState, selected: torch.Tensor) -> dict[str, torch.Tensor]:
+    def gather(self, rt: RunState, state: ExpertsState, selected: Selected) -> dict[str, torch.Tensor]:
         """The `selected` experts (ascending ids) of every offloaded tensor of `state`, gathered in that order into
         the runtime's reused buffers: local name -> [U, ...]. Counts the link bytes of the misses."""
         lay = self._layers[state.layer]
-        ids = selected.tolist()
+        ids = list(selected.ids)
         # The policy decides first, expert by expert in ascending id order (replay's order).
         hit, admitted = [False] * len(ids), [False] * len(ids)
         policy = self.policy
@@ -268,9 +268,8 @@ class DeviceCache(PagedCache):
                 out.index_copy_(0, _index(link_pos, dev), host)
             elif link_pos:
                 rt.counter.add(lay.row_bytes[t] * len(link_pos))    # only misses cross the link
-                where = host.device if host.device == dev else torch.device("cpu")
-                rt.copy_expert_rows(host, _index(link_rows, where), out, _index(link_pos, where), layer=layer,
-                                    name=name, experts=[ids[i] for i in link_pos])   # or the look-ahead's rows
+                rt.copy_expert_rows(host, link_rows, out, link_pos, layer=layer, name=name,
+                                    experts=[ids[i] for i in link_pos])   # or the look-ahead's rows
             if cached_rows or admit_rows:
                 out_pages = out.view(-1).view(torch.uint8).view(-1, page)   # [U * k, page_bytes]
                 if cached_rows:
@@ -299,7 +298,7 @@ class DeviceCache(PagedCache):
         for t, name in enumerate(lay.names):
             if not lay.on_disk[t]:
                 continue
-            mine = torch.tensor([e for e in miss if lay.host_row[t][e] is not None], dtype=torch.long)
+            mine = Selected.of_ids([e for e in miss if lay.host_row[t][e] is not None], rt.device)
             ti = hc.tensor_index(lay.layer, name) if decision is not None else None
             rows[name] = rt.disk.stage_experts(rt, state.disk[name], mine, None, key=f"{name}:cache-miss",
                                                cached=None if ti is None else (hc, decision, ti), layer=lay.layer,

@@ -36,7 +36,8 @@ from ..storage.disk_prefetch import DensePrefetcher
 from ..errors import CheckpointError, MoeOffloadError
 from ..model.inventory import layer_prefix
 from ..formats.layouts import Slot
-from .state import RunState
+from .state import RunState, Selected
+from ..planning.placement import Tier
 from ..storage.host import HostArena, set_tensor
 
 if TYPE_CHECKING:
@@ -69,8 +70,6 @@ class DiskTier:
               quant: dict | None = None, tied=(), disk_read: str = "direct") -> "DiskTier | None":
         """`disk_read`: "direct" (O_DIRECT where the filesystem allows it, else buffered reads that release their
         pages) or "mmap" (storage/mapped.py: the page cache decides what stays)."""
-        from ..planning.placement import Tier
-
         on_disk = {t.name: t for t in plan.tensors if t.tier == Tier.DISK}
         if not on_disk:
             return None
@@ -145,30 +144,34 @@ class DiskTier:
             self._arena.release()
 
     # --- experts --------------------------------------------------------------------------
-    def stage_experts(self, rt: RunState, src: DiskTensor, selected: torch.Tensor, split: "ExpertSplit | None",
+    def stage_experts(self, rt: RunState, src: DiskTensor, selected: Selected, split: "ExpertSplit | None",
                       *, key: str, cached=None, layer: int | None = None,
                       lookahead_key: str | None = None) -> torch.Tensor:
         """The `selected` experts (ascending ids) of `src`, in that order, in a reused device buffer [U, ...]:
         those on disk read from the checkpoint (or, `cached` = (host_cache.HostCache, its Decision for this layer
         step, this tensor's index), from host memory where the host cache holds them; or taken from the rows the
-        runtime's look-ahead read for `layer`), a split tensor's resident ones by a device-local gather."""
-        out = rt.buffer(("rows", key, src.shape[1:], src.dtype), (selected.numel(), *src.shape[1:]), src.dtype)
+        runtime's look-ahead read for `layer`), a split tensor's resident ones by a device-local gather. Which
+        expert lies where is looked up on the host (the selection's ids, split.where): no device round trip."""
+        ids = list(selected.ids)
+        out = rt.buffer(("rows", key, src.shape[1:], src.dtype), (len(ids), *src.shape[1:]), src.dtype)
         la_key = lookahead_key or key
         if split is None:
-            self._fetch(rt, src, selected.tolist(), out, key, cached, layer, la_key)
-        else:
-            mask = split.on_host[selected]                      # on disk, for a disk-tier split
-            rows = split.row[selected]
-            here, there = (~mask).nonzero().squeeze(1), mask.nonzero().squeeze(1)
-            out.index_copy_(0, here, split.resident.index_select(0, rows[here]))
-            ids = selected[there].tolist()
-            if ids and out.device.type == "cpu":            # read straight into their rows of `out`
-                self._fetch(rt, src, ids, out, key, cached, layer, la_key, positions=there.tolist())
-            elif ids:
-                tmp = rt.buffer(("disk-rows", key, src.shape[1:], src.dtype), (len(ids), *src.shape[1:]),
-                                src.dtype)
-                self._fetch(rt, src, ids, tmp, key, cached, layer, la_key)
-                out.index_copy_(0, there, tmp)
+            self._fetch(rt, src, ids, out, key, cached, layer, la_key)
+            return out
+        places = [split.where(e) for e in ids]                  # "host": on disk, for a disk-tier split
+        here = [i for i, (tier, _) in enumerate(places) if tier != Tier.HOST]
+        there = [i for i, (tier, _) in enumerate(places) if tier == Tier.HOST]
+        if here:
+            dev = out.device
+            out.index_copy_(0, torch.tensor(here, device=dev),
+                            split.resident.index_select(0, torch.tensor([places[i][1] for i in here], device=dev)))
+        on_disk = [ids[i] for i in there]
+        if on_disk and out.device.type == "cpu":                # read straight into their rows of `out`
+            self._fetch(rt, src, on_disk, out, key, cached, layer, la_key, positions=there)
+        elif on_disk:
+            tmp = rt.buffer(("disk-rows", key, src.shape[1:], src.dtype), (len(on_disk), *src.shape[1:]), src.dtype)
+            self._fetch(rt, src, on_disk, tmp, key, cached, layer, la_key)
+            out.index_copy_(0, torch.tensor(there, device=out.device), tmp)
         return out
 
     def _fetch(self, rt: RunState, src: DiskTensor, ids: list[int], dest: torch.Tensor, key: str, cached,
@@ -292,7 +295,7 @@ class DiskTier:
             for (rel, s), t in zip(members, live):
                 if t.device != rt.device:
                     t = t.to(rt.device)
-                set_tensor(m, rel, t)
+                rt.staged_params.put(m, rel, t)
 
         def post(m, args, output):
             for rel, ph in placeholders:
@@ -306,12 +309,13 @@ class DiskTier:
 
         def pre(m, args):
             (ids,) = args[:1]
-            rows = torch.unique(ids)                             # only these rows are read
-            rt.disk_counter.add(rows.numel() * src.row_bytes)
-            out = rt.buffer(("rows", "disk-embedding", src.shape[1:], src.dtype), (rows.numel(), *src.shape[1:]),
+            picked = Selected.of_ids(sorted(set(ids.reshape(-1).tolist())), ids.device)   # only these rows are read
+            rows = picked.index
+            rt.disk_counter.add(len(picked.ids) * src.row_bytes)
+            out = rt.buffer(("rows", "disk-embedding", src.shape[1:], src.dtype), (len(picked.ids), *src.shape[1:]),
                             src.dtype)
-            self._read_rows(src, rows.tolist(), out, "disk-embedding")
-            set_tensor(m, "weight", out)
+            self._read_rows(src, list(picked.ids), out, "disk-embedding")
+            rt.staged_params.put(m, "weight", out)
             m.padding_idx = None   # it indexes the full table; the staged rows are renumbered
             return (torch.searchsorted(rows, ids), *args[1:])
 

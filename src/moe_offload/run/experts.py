@@ -9,8 +9,8 @@ forward unchanged.
 For a module with offloaded experts only the experts the router selected are read:
 
 - whole tensors on the host, uva backend: the kernels index the selected experts of
-  the host view in place; the distinct experts are counted at the end of the forward call
-  (one synchronisation per step, not per layer);
+  the host view in place; the distinct experts are counted on the device (state.distinct) and read
+  back with the counts, never during the step;
 - otherwise (prefetch, or any tensor split between tiers): the U selected experts are
   gathered, in ascending expert order, into reused buffers, each from the stack that holds
   it (a split tensor's resident stack on the device, its host stack over the link), and the
@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 
 from .grouped import original_forward
-from .state import RunState
+from .state import RunState, Selected
 from ..storage.host import ExpertSplit
 
 EXPERTS_IMPL = "moe_offload"
@@ -119,10 +119,10 @@ class ExpertsState:
         ahead = rt.lookahead is not None and rt.decode_step
         if rt.backend == "uva" and not self.split and not cached and (fused or not self.quant) and not self.disk \
                 and not ahead:
-            # In place: the kernels index each selected expert of the host view. Counting distinct experts
-            # needs their number on the host, so it waits for the end of the forward call.
+            # In place: the kernels index each selected expert of the host view; the distinct experts are
+            # counted on the device at the end of the forward call (no read back during the step).
             per_expert = sum(_row_bytes(t) for t in self.offloaded.values())
-            rt.routes.append((top_k_index.detach(), per_expert))
+            rt.routes.append((top_k_index.detach(), per_expert, self.num_experts))
             return rt.compute(module, {}, hidden_states, top_k_index, top_k_weights, decode=decode, quant=quant)
         staged, local, count = self.gather(module, top_k_index, cached, dequantize=not fused)
         view = _StagedExperts(module, staged, count)
@@ -155,18 +155,18 @@ class ExpertsState:
         tensors become the compute dtype (else they stay as stored, scales beside them, for the fused kernels)."""
         rt = self.runtime
         # The eager loop then visits them in the same ascending order, with the same values (bit-identical
-        # arithmetic); the grouped kernels index the gathered stack with the renumbered ids.
-        selected = torch.unique(top_k_index)                     # [U], ascending
-        local = torch.searchsorted(selected, top_k_index)       # [T, k] in 0..U-1
+        # arithmetic); the grouped kernels index the gathered stack with the renumbered ids. The selected ids are
+        # read to the host once (Selected.of): every decision below is made on that list.
+        selected, local = Selected.of(top_k_index)
+        ids = list(selected.ids)
         la = rt.lookahead if rt.lookahead is not None and rt.decode_step else None
         if la is not None and la.serves(self.layer):             # the guesses not picked are dropped first
-            la.routed(self.layer, selected.tolist())
-        on_host: dict[tuple[int, ...], tuple[torch.Tensor, int]] = {}   # host_ids -> (mask [U], count)
+            la.routed(self.layer, ids)
         # Through the device cache, every offloaded expert tensor (host and disk tier: device_cache.py reads the disk
         # ones' misses below it); else disk-tier experts from the host cache (host_cache.py) or the checkpoint.
         staged = rt.cache.gather(rt, self, selected) if cached else {}
         hc = rt.host_cache if rt.host_cache_step and self.disk and not cached else None
-        decision = hc.decide(self.layer, selected.tolist()) if hc is not None and hc.serves(self.layer) else None
+        decision = hc.decide(self.layer, ids) if hc is not None and hc.serves(self.layer) else None
         for name, src in self.disk.items():                     # read from the checkpoint (disk_tier.py)
             if name in staged:                                  # through the device cache
                 continue
@@ -178,24 +178,21 @@ class ExpertsState:
                 continue
             split = self.split.get(name)
             if split is None:
-                rt.counter.add(_row_bytes(t) * selected.numel())
-                staged[name] = rt.stage_rows(t, selected, key=name, layer=self.layer)
+                rt.counter.add(_row_bytes(t) * len(ids))
+                staged[name] = rt.stage_rows(t, ids, key=name, layer=self.layer)
                 continue
-            if split.host_ids not in on_host:                   # tensors of one layout share the lookup
-                mask = split.on_host[selected]
-                on_host[split.host_ids] = (mask, int(mask.sum()))
-            mask, count = on_host[split.host_ids]
-            rt.counter.add(_row_bytes(t) * count)
-            staged[name] = rt.stage_split(split, t, selected, mask, key=name, layer=self.layer)
-        if la is not None and not cached and (self.disk or self.offloaded):   # what the guesses saved (the device
-            ids = selected.tolist()                                             # cache counts its own misses)
+            host_ids = set(split.host_ids)
+            rt.counter.add(_row_bytes(t) * sum(e in host_ids for e in ids))
+            staged[name] = rt.stage_split(split, t, selected, key=name, layer=self.layer)
+        if la is not None and not cached and (self.disk or self.offloaded):
+            # what the guesses saved (the device cache counts its own misses)
             la.end_layer(self.layer, sorted(set(self.disk_reads(ids, decision)) | set(self.host_reads(ids))))
         if self.quant and dequantize:   # the gathered stored bytes -> the compute dtype (quant_weights.py)
-            rt.dequantizer.selected_experts(module, self.quant, staged, selected)
+            rt.dequantizer.selected_experts(module, self.quant, staged, selected.index)
         elif self.quant:                # kept as stored: the resident ones' rows (and scales) renumbered too
-            rt.dequantizer.stored_experts(module, self.quant, staged, selected)
+            rt.dequantizer.stored_experts(module, self.quant, staged, selected.index)
         for name, p in module.named_parameters(recurse=False):
             # Resident per-expert tensors are renumbered too (a device-local gather, no link bytes).
             if name not in staged and p.dim() >= 1 and p.shape[0] == self.num_experts:
-                staged[name] = p.index_select(0, selected)
-        return staged, local, selected.numel()
+                staged[name] = p.index_select(0, selected.index)
+        return staged, local, len(ids)

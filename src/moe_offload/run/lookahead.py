@@ -28,10 +28,10 @@ Where a guess is made (`source`, `load(lookahead_from=...)`): "output", layer l'
 decoder layer), or "attention", layer l's residual after its attention (a forward pre-hook on its post-attention
 norm), before its MoE: a whole expert step earlier, from a state further from the router's input.
 
-`RouterPredictor`, the default and the one that needs no training (Mixtral-offloading's): layer l + N's own
-router applied to layer l's output after layer l + N's post-attention norm (the router's input is that norm of
-a residual stream one layer later). Any object with `covers(layer) -> bool` and `predict(layer, hidden) ->
-expert ids, most likely first | None` can replace it.
+The default predictor is router_predictor.RouterPredictor. Any object with `covers(layer) -> bool` and
+`predict(layer, hidden) -> expert ids, most likely first | None` can replace it; one with `predict_ids(layer,
+hidden) -> ids [T, k] on the device` has its guesses read to the host on the look-ahead's worker thread, so that
+the hook only queues the router and the decoder layers never wait on the device for a guess.
 
 The layers hooked are chosen at attach, by the predictor then in place (`covers`); a predictor set later is asked
 about those layers and returns None for a layer it does not handle.
@@ -56,47 +56,13 @@ import torch.nn as nn
 
 from ..errors import MoeOffloadError
 from ..model.inventory import layer_of, layer_prefix
+from .router_predictor import RouterPredictor, ids_in_order
 
 
 # Where a guess for the next layers is made (`load(lookahead_from=...)`): "output", decoder layer l's output (the
 # router's input one layer later, normed: the likeliest guess, made just before layer l + 1 routes); "attention",
 # layer l's residual after its attention, before its MoE (a worse guess, made a whole expert step earlier).
 SOURCES = ("output", "attention")
-
-
-class RouterPredictor:
-    """Layer t's experts predicted by layer t's router on an earlier layer's output hidden state."""
-
-    def __init__(self, model: nn.Module):
-        self._layers: dict[int, tuple[nn.Module, nn.Module]] = {}   # layer -> (post-attention norm, router)
-        for name, mod in model.named_modules():
-            if layer_prefix(name) != name:   # decoder layers only
-                continue
-            layer = layer_of(name)
-            mlp = getattr(mod, "mlp", None)
-            norm = getattr(mod, "post_attention_layernorm", None)
-            router = getattr(mlp, "gate", None) or getattr(mlp, "router", None)
-            if isinstance(norm, nn.Module) and isinstance(router, nn.Module) and _readable(norm, router):
-                self._layers[layer] = (norm, router)
-
-    def covers(self, layer: int) -> bool:
-        return layer in self._layers
-
-    @torch.no_grad()
-    def predict(self, layer: int, hidden: torch.Tensor) -> list[int] | None:
-        if layer not in self._layers:
-            return None
-        norm, router = self._layers[layer]
-        out = router(norm(hidden).reshape(-1, hidden.shape[-1]))
-        ids = next((t for t in (out if isinstance(out, tuple) else (out,))[::-1]
-                    if isinstance(t, torch.Tensor) and not t.is_floating_point()), None)
-        # the router's top-k order, most likely first (a look-ahead reads them in this order), each id once
-        return None if ids is None else list(dict.fromkeys(ids.reshape(-1).tolist()))
-
-
-def _readable(*mods: nn.Module) -> bool:
-    # A router or norm whose weights are on the disk tier is a meta placeholder until its layer's hook reads it.
-    return all(p.device.type != "meta" for m in mods for p in m.parameters())
 
 
 @dataclass
@@ -138,6 +104,10 @@ class Lookahead:
         self.source = source     # the hidden state guesses are made from: SOURCES
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-offload-lookahead")
         self._copies = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-offload-lookahead-copy")
+        # The hooks' guesses are read to the host here, not on the layers' thread: a decoder layer's hook queues the
+        # router on the device and hands the ids to this worker, which reads them and starts the reads and copies.
+        self._guesses = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-offload-lookahead-guess")
+        self._pending: dict[int, Future] = {}   # layer -> its guess being started on the worker
         self._ahead: dict[int, _Ahead] = {}
         self._outstanding: list[tuple[object, int]] = []   # unpicked guesses' jobs and the bytes each would read
         self._layers: dict[int, object] = {}    # layer -> experts.ExpertsState with offloaded experts (host or disk)
@@ -173,7 +143,14 @@ class Lookahead:
 
     def serves(self, layer: int | None) -> bool:
         """Guesses were started for this layer step: its unpicked ones are dropped when it routes, its rows taken."""
+        self._started(layer)
         return layer in self._ahead
+
+    def _started(self, layer: int | None) -> None:
+        """Wait until the worker has started `layer`'s guess, if one is on its way (its errors surface here)."""
+        job = self._pending.pop(layer, None)
+        if job is not None:
+            job.result()
 
     def _hook(self, rt, targets: list[int]):
         def guess(output):
@@ -181,19 +158,32 @@ class Lookahead:
                 return
             hidden = output[0] if isinstance(output, tuple) else output
             for target in targets:
-                if target in self._ahead:     # predicted already in this step, from an earlier layer
+                if target in self._ahead or target in self._pending:   # predicted already in this step
                     continue
-                ids = self.predictor.predict(target, hidden)
-                if ids:
-                    self._start(rt, target, ids)
+                # What the caches hold now, as the guess is made (the worker must not read them while they change).
+                dc = rt.cache if rt.cache_step and rt.cache.serves(target) else None
+                cached = dc.policy.contents() if dc is not None else set()
+                held = rt.host_cache.contents() if rt.host_cache_step else set()
+                early = getattr(self.predictor, "predict_ids", None)
+                if early is None:            # a predictor that answers on the host (a replayed routing)
+                    ids = self.predictor.predict(target, hidden)
+                    if ids:
+                        self._start(rt, target, ids, cached, held)
+                    continue
+                picked = early(target, hidden)
+                if picked is not None:
+                    self._pending[target] = self._guesses.submit(self._start_picked, rt, target, picked, cached,
+                                                                 held)
         return guess
 
-    def _start(self, rt, layer: int, ids: list[int]) -> None:
+    def _start_picked(self, rt, layer: int, picked: torch.Tensor, cached: set, held: set) -> None:
+        ids = ids_in_order(picked)           # read on this worker: the layers' thread does not wait for it
+        if ids:
+            self._start(rt, layer, ids, cached, held)
+
+    def _start(self, rt, layer: int, ids: list[int], cached: set, held: set) -> None:
         state = self._layers[layer]
-        dc = rt.cache if rt.cache_step and rt.cache.serves(layer) else None
-        below = {e for e in ids if dc is None or (layer, e) not in dc.policy}   # the device cache lacks them
-        hc = rt.host_cache if rt.host_cache_step else None
-        held = hc.contents() if hc is not None else set()
+        below = {e for e in ids if (layer, e) not in cached}   # the device cache lacks them
         ahead = _Ahead()
         self._start_disk(state, ahead, [e for e in ids if e in below and (layer, e) not in held])
         self._start_host(rt, state, ahead, [e for e in ids if e in below])
@@ -226,8 +216,7 @@ class Lookahead:
             if not rows:
                 continue
             buf = torch.empty((len(rows), *host.shape[1:]), dtype=host.dtype, device=rt.device)
-            index = torch.tensor(list(rows.values()), dtype=torch.long,
-                                 device=host.device if host.device == rt.device else "cpu")
+            index = list(rows.values())
             if rt.stream is not None:
                 # The side stream starts after what the layer's stream queued (buf's allocation); the layer's stream
                 # waits on the event before it reads buf, and before buf's memory is handed out again (settle).
@@ -242,6 +231,7 @@ class Lookahead:
     def routed(self, layer: int, picked: list[int]) -> None:
         """Layer `layer` has routed: its guesses that were not picked are dropped (a read not started is cancelled,
         one under way stops before its next tensor)."""
+        self._started(layer)
         ahead = self._ahead.get(layer)
         if ahead is None:
             return
@@ -253,6 +243,7 @@ class Lookahead:
 
     def take(self, layer: int, name: str, expert: int) -> torch.Tensor | None:
         """The disk row of `expert` in tensor `name` read ahead for this layer step, or None (read it now)."""
+        self._started(layer)
         ahead = self._ahead.get(layer)
         if ahead is None or expert not in ahead.jobs or name not in ahead.rows[expert]:
             return None
@@ -263,6 +254,7 @@ class Lookahead:
     def take_host(self, layer: int, name: str, experts: list[int]) -> tuple[torch.Tensor, dict[int, int]] | None:
         """(the device rows of host tensor `name` copied ahead for this layer step, expert -> its row) for those of
         `experts` among them, waited for; None when none of them was copied ahead (copy them now)."""
+        self._started(layer)
         ahead = self._ahead.get(layer)
         entry = ahead.host.get(name) if ahead is not None else None
         if entry is None:
@@ -278,6 +270,7 @@ class Lookahead:
     def end_layer(self, layer: int, needed: list[int]) -> None:
         """Layer step `layer` read `needed` from below the device (host link or disk; not from the device cache,
         the host cache or a resident stack): count the hits, hand its unpicked guesses to `settle`."""
+        self._started(layer)
         ahead = self._ahead.pop(layer, None)
         counts = self.per_layer.setdefault(layer, [0, 0])
         used = ahead.used if ahead is not None else set()
@@ -292,6 +285,8 @@ class Lookahead:
     def settle(self) -> None:
         """A forward call ends (or the next begins): the reads still under way are waited for (a read error
         surfaces here, at the latest) and dropped: no read outlives the call that started it."""
+        for layer in list(self._pending):
+            self._started(layer)
         pending = self._outstanding + [p for ahead in self._ahead.values() for p in _unpicked(ahead, every=True)]
         self._outstanding, self._ahead = [], {}
         first = None
@@ -307,6 +302,9 @@ class Lookahead:
             raise first
 
     def reset(self) -> None:
+        for job in self._pending.values():
+            _outcome(job)
+        self._pending.clear()
         for job, _ in self._outstanding:
             _outcome(job)
         self._outstanding.clear()
@@ -315,6 +313,7 @@ class Lookahead:
         self.per_layer.clear()
 
     def close(self) -> None:
+        self._guesses.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         self._copies.shutdown(wait=True)
 

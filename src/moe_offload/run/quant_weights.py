@@ -35,7 +35,7 @@ import torch.nn as nn
 from ..errors import CheckpointError
 from ..formats.quant import STORED_DTYPES, QuantFormat, QuantSpec, QuantTensor
 from ..formats.quant_codecs import SCALE_SUFFIX, check_fp8, check_mxfp4, dequantize_fp8, fp4_lut, fp8_scale_shape
-from ..storage.host import ExpertSplit, set_tensor
+from ..storage.host import ExpertSplit, StagedParameters, set_tensor
 
 MXFP4_SCALES, MXFP4_BLOCKS = "_scales", "_blocks"
 
@@ -225,6 +225,7 @@ class Dequantizer:
         self.layouts = dict(layouts)
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._luts: dict[tuple, torch.Tensor] = {}
+        self.staged_params = StagedParameters()   # the dequantized Linear weights' Parameters, rebound per call
 
     @property
     def mechanism(self) -> str:
@@ -308,7 +309,7 @@ class Dequantizer:
                 out = self._buffer(("linear", q.shape, q.compute_dtype), q.shape, q.compute_dtype, weight.device)
                 dequantize_fp8(weight, scale, q.block, dtype=q.compute_dtype, out=out)
                 during[0] = weight
-                set_tensor(m, "weight", out)
+                self.staged_params.put(m, "weight", out)
 
             def post(m, args, output, during=during):
                 set_tensor(m, "weight", during[0])

@@ -38,7 +38,7 @@ from .dense_prefetch import DenseRing, tensor_at
 from .experts import EXPERTS_IMPL, ExpertsState, is_experts_module, register_experts_function
 from ..model.inventory import layer_of, layer_prefix
 from .quant_weights import Dequantizer, Reader, byte_split, byte_view, by_module as quant_by_module
-from .state import Recorder, RoutedCall, RunState
+from .state import Recorder, RoutedCall, RunState, Selected, distinct
 from ..storage.host import ExpertSplit, set_tensor
 
 if TYPE_CHECKING:
@@ -212,6 +212,7 @@ class Runtime(RunState):
             self.host_cache.drop_all()
         self.routes.clear()
         self.routed.clear()
+        self.staged_params.clear()
 
     def close(self) -> None:
         """Stop every worker (look-ahead reads and copies, disk reads), remove every hook, drop the caches and
@@ -275,8 +276,8 @@ class Runtime(RunState):
     def _top_post(self, module, args, kwargs, output):
         if self.lookahead is not None:
             self.lookahead.settle()    # wrong guesses' reads end with the call that started them
-        for top_k_index, per_expert in self.routes:
-            self.counter.add(per_expert * torch.unique(top_k_index).numel())
+        for top_k_index, per_expert, experts in self.routes:   # counted on the device: no wait here
+            self.counter.add(distinct(top_k_index, experts) * per_expert)
         self.routes.clear()
         tokens, decode = self.step_tokens, getattr(self, "_decode", None)
         self.counter.end_call(tokens, decode)
@@ -292,15 +293,16 @@ class Runtime(RunState):
 
         def pre(m, args):
             (ids,) = args[:1]
-            rows = torch.unique(ids)                       # only these rows cross the link
-            self.counter.add(rows.numel() * row_bytes)
-            if self.backend == "uva":
+            if self.backend == "uva":                      # only the distinct rows cross the link: counted on the
+                self.counter.add(distinct(ids, host.shape[0]) * row_bytes)   # device, read with the counts
                 return None
-            set_tensor(m, "weight", self.stage_rows(host, rows, key="embedding"))
+            rows, local = Selected.of(ids)                 # the staged rows: read to the host once
+            self.counter.add(len(rows.ids) * row_bytes)
+            self.staged_params.put(m, "weight", self.stage_rows(host, list(rows.ids), key="embedding"))
             # padding_idx indexes the full table (it only masks gradients): F.embedding rejects it when it is
             # beyond the staged rows, so it is lifted while the staged table is in place.
             m.padding_idx = None
-            return (torch.searchsorted(rows, ids), *args[1:])
+            return (local, *args[1:])
 
         def post(m, args, output):
             if self.backend != "uva":

@@ -18,38 +18,60 @@ dense prefetcher (dense_prefetch.py). It holds
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from .compute import ExpertsCompute, ExpertsMode
-from ..storage.host import ExpertSplit
+from ..planning.placement import Tier
+from ..storage.host import ExpertSplit, StagedParameters
 
 
-@dataclass
 class LinkCounter:
-    """Bytes read from the host tier, per forward call of the whole model."""
+    """Bytes read from the host tier, per forward call of the whole model.
 
-    calls: list[tuple[int, int]] = field(default_factory=list)  # (new tokens per sequence, bytes)
-    decode: list[bool] = field(default_factory=list)             # per call: a step on a non-empty KV cache
-    _pending: int = 0
+    A count may be a device tensor (what the uva path counts on the device: distinct experts, embedding rows), so
+    that the step never waits on the device for its own accounting: such counts are read back when the counts are
+    read (`calls`), all of them in one read."""
 
-    def add(self, nbytes: int) -> None:
-        self._pending += int(nbytes)
+    def __init__(self):
+        self._calls: list[tuple[int, "int | torch.Tensor"]] = []   # (new tokens per sequence, bytes)
+        self.decode: list[bool] = []             # per call: a step on a non-empty KV cache
+        self._pending = 0
+        self._pending_device: list[torch.Tensor] = []
+
+    def add(self, nbytes: "int | torch.Tensor") -> None:
+        if isinstance(nbytes, torch.Tensor):
+            self._pending_device.append(nbytes)
+        else:
+            self._pending += int(nbytes)
 
     def end_call(self, tokens_per_sequence: int, decode: bool | None = None) -> None:
-        self.calls.append((tokens_per_sequence, self._pending))
+        value = self._pending
+        if self._pending_device:
+            value = torch.stack(self._pending_device).sum() + value
+        self._calls.append((tokens_per_sequence, value))
         self.decode.append(tokens_per_sequence == 1 if decode is None else decode)
-        self._pending = 0
+        self.discard_pending()
+
+    @property
+    def calls(self) -> list[tuple[int, int]]:
+        lazy = [i for i, (_, b) in enumerate(self._calls) if isinstance(b, torch.Tensor)]
+        if lazy:
+            values = torch.stack([self._calls[i][1] for i in lazy]).tolist()
+            for i, v in zip(lazy, values):
+                self._calls[i] = (self._calls[i][0], int(v))
+        return self._calls
 
     def reset(self) -> None:
-        self.calls.clear()
+        self._calls.clear()
         self.decode.clear()
-        self._pending = 0
+        self.discard_pending()
 
     def discard_pending(self) -> None:
         self._pending = 0
+        self._pending_device = []
 
     def decode_bytes_per_token(self, batch: int = 1) -> float:
         """Mean bytes per decoded token over decode steps (one new token per sequence, on a non-empty
@@ -87,7 +109,7 @@ class RunState:
         # The disk tier (disk_tier.DiskTier) or None; its reads are counted apart from the host link's.
         self.disk = disk
         self.disk_counter = LinkCounter()
-        self.routes: list[tuple[torch.Tensor, int]] = []  # uva: (top_k_index, bytes per expert), counted per call
+        self.routes: list[tuple[torch.Tensor, int, int]] = []  # uva: (top_k_index, bytes per expert, experts)
         # Called with each forward call's routing (RoutedCall) when set; `routed` collects it during the call.
         self.recorder: Recorder | None = recorder
         self.routed: dict[int, torch.Tensor] = {}
@@ -105,6 +127,7 @@ class RunState:
         # device right before use.
         self.dequantizer = dequantizer
         self.handles: list = []   # every hook the readers registered, removed at detach
+        self.staged_params = StagedParameters()   # the Parameters staged copies are bound to during a call
         self._staging: dict[tuple, torch.Tensor] = {}
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -128,66 +151,109 @@ class RunState:
             self._staging[key] = buf
         return buf[:need].view(shape)
 
-    def stage_split(self, split: ExpertSplit, host: torch.Tensor, selected: torch.Tensor, on_host: torch.Tensor,
-                    *, key: str, layer: int | None = None) -> torch.Tensor:
-        """Gather the `selected` experts (ascending ids) of a split tensor, in that order: those of the resident
-        stack by a device-local gather (no link bytes), those of the host stack `host` (`on_host`) over the link
-        (or from the look-ahead's rows of `layer`)."""
-        out = self.rows_buffer(key, host, selected.numel())
-        rows = split.row[selected]                                   # [U] row of each expert in its stack
-        here = (~on_host).nonzero().squeeze(1)                       # positions in `out` of resident experts
-        there = on_host.nonzero().squeeze(1)
-        out.index_copy_(0, here, split.resident.index_select(0, rows[here]))
-        self.copy_expert_rows(host, rows[there], out, there, layer=layer, name=key, experts=selected[there])
+    def stage_split(self, split: ExpertSplit, host: torch.Tensor, selected: "Selected", *, key: str,
+                    layer: int | None = None) -> torch.Tensor:
+        """Gather the `selected` experts of a split tensor, in that order: those of the resident stack by a
+        device-local gather (no link bytes), those of the host stack `host` over the link (or from the look-ahead's
+        rows of `layer`). Where each lies is looked up on the host (split.where): no device round trip."""
+        out = self.rows_buffer(key, host, len(selected.ids))
+        places = [split.where(e) for e in selected.ids]
+        here = [i for i, (tier, _) in enumerate(places) if tier != Tier.HOST]
+        there = [i for i, (tier, _) in enumerate(places) if tier == Tier.HOST]
+        if here:
+            dev = out.device
+            out.index_copy_(0, _index(here, dev), split.resident.index_select(0, _index([places[i][1] for i in here],
+                                                                                         dev)))
+        if there:
+            self.copy_expert_rows(host, [places[i][1] for i in there], out, there, layer=layer, name=key,
+                                  experts=[selected.ids[i] for i in there])
         return out
 
-    def stage_rows(self, host: torch.Tensor, rows: torch.Tensor, *, key: str, layer: int | None = None
+    def stage_rows(self, host: torch.Tensor, rows: list[int], *, key: str, layer: int | None = None
                    ) -> torch.Tensor:
         """Copy host[rows] into a reused device buffer, one per `key` (a tensor's local name, so two tensors
         staged for the same forward never share one) and row shape, shared by all layers (they run in turn).
         `layer`: the rows are that layer's experts (row = expert id), some perhaps copied ahead by the look-ahead."""
-        out = self.rows_buffer(key, host, rows.numel())
+        out = self.rows_buffer(key, host, len(rows))
         self.copy_expert_rows(host, rows, out, None, layer=layer, name=key, experts=rows)
         return out
 
-    def copy_expert_rows(self, host: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
-                         positions: torch.Tensor | None, *, layer: int | None, name: str,
-                         experts: torch.Tensor | list[int]) -> None:
+    def copy_expert_rows(self, host: torch.Tensor, rows: list[int], out: torch.Tensor, positions: list[int] | None,
+                         *, layer: int | None, name: str, experts: list[int]) -> None:
         """copy_rows of routed experts (`experts[i]`: the expert in host row rows[i]) of `layer`'s tensor `name`: those
         the look-ahead copied to the device for this layer step come from its rows (device-local), the rest from
         `host` (copy_rows). Same values in the same places either way."""
         la = self.lookahead if self.decode_step and layer is not None else None
-        got = None
-        if la is not None and la.serves(layer):
-            experts = experts.tolist() if isinstance(experts, torch.Tensor) else list(experts)
-            got = la.take_host(layer, name, experts)
+        got = la.take_host(layer, name, list(experts)) if la is not None and la.serves(layer) else None
         if got is None:
             self.copy_rows(host, rows, out, positions)
             return
         buf, slots = got
-        pos = list(range(len(experts))) if positions is None else positions.tolist()
+        pos = list(range(len(experts))) if positions is None else positions
         mine = [i for i, e in enumerate(experts) if e in slots]
         rest = [i for i, e in enumerate(experts) if e not in slots]
-        out.index_copy_(0, torch.tensor([pos[i] for i in mine], device=out.device),
-                        buf.index_select(0, torch.tensor([slots[experts[i]] for i in mine], device=buf.device)))
+        out.index_copy_(0, _index([pos[i] for i in mine], out.device),
+                        buf.index_select(0, _index([slots[experts[i]] for i in mine], buf.device)))
         if rest:
-            where = rows.device
-            self.copy_rows(host, rows[torch.tensor(rest, device=where)], out,
-                           positions=torch.tensor([pos[i] for i in rest], device=where))
+            self.copy_rows(host, [rows[i] for i in rest], out, [pos[i] for i in rest])
 
-    def copy_rows(self, host: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
-                  positions: torch.Tensor | None = None) -> None:
-        """out[positions[i]] = host[rows[i]] (positions: 0, 1, ... when not given).
+    def copy_rows(self, host: torch.Tensor, rows: list[int], out: torch.Tensor,
+                  positions: list[int] | None = None) -> None:
+        """out[positions[i]] = host[rows[i]] (positions: 0, 1, ... when not given); rows and positions are host
+        lists, so nothing here waits on the device.
 
         `host` readable by the device (the cpu, or a uva view of mapped pinned memory): one gather kernel
-        that reads the host rows in place. Pinned host memory seen from an accelerator (prefetch): row by
-        row, asynchronous DMA, no pageable temporary."""
+        that reads the host rows in place. Pinned host memory seen from an accelerator (prefetch): one
+        asynchronous DMA per run of consecutive rows landing in consecutive positions, no pageable temporary."""
         if host.device == self.device:
+            index = _index(rows, host.device)
             if positions is None:
-                torch.index_select(host, 0, rows, out=out[:rows.numel()])
+                torch.index_select(host, 0, index, out=out[:len(rows)])
             else:
-                out.index_copy_(0, positions, host.index_select(0, rows))
+                out.index_copy_(0, _index(positions, out.device), host.index_select(0, index))
             return
-        pos = range(rows.numel()) if positions is None else positions.tolist()
-        for i, r in zip(pos, rows.tolist()):
-            out[i].copy_(host[r], non_blocking=True)
+        pos = range(len(rows)) if positions is None else positions
+        for p, r, n in row_runs(list(pos), rows):
+            out[p:p + n].copy_(host[r:r + n], non_blocking=True)
+
+
+@dataclass(frozen=True)
+class Selected:
+    """One layer step's selected experts, ascending: on the host (`ids`, read from the device once: the step's one
+    device-to-host read where staging needs them) and on the device (`index` [U] int64)."""
+
+    ids: tuple[int, ...]
+    index: torch.Tensor
+
+    @classmethod
+    def of(cls, top_k_index: torch.Tensor) -> tuple["Selected", torch.Tensor]:
+        """(the selection, the routing renumbered 0..U-1 [T, k]) of a layer step's top_k_index [T, k]."""
+        picked = cls.of_ids(sorted(set(top_k_index.reshape(-1).tolist())), top_k_index.device)
+        return picked, torch.searchsorted(picked.index, top_k_index)
+
+    @classmethod
+    def of_ids(cls, ids: list[int], device) -> "Selected":
+        """A selection from host ids, ascending."""
+        return cls(tuple(ids), _index(list(ids), device))
+
+
+def distinct(index: torch.Tensor, size: int) -> torch.Tensor:
+    """How many distinct values in [0, size) `index` holds, as a 0-dim int64 tensor on its device (no read back)."""
+    present = torch.zeros(size, dtype=torch.bool, device=index.device)
+    return present.index_fill_(0, index.reshape(-1).long(), True).sum()
+
+
+def row_runs(positions: list[int], rows: list[int]) -> list[tuple[int, int, int]]:
+    """(first position, first row, count) of each run where both positions and rows go up by one: one copy each."""
+    runs: list[tuple[int, int, int]] = []
+    for p, r in zip(positions, rows):
+        if runs and runs[-1][0] + runs[-1][2] == p and runs[-1][1] + runs[-1][2] == r:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((p, r, 1))
+    return runs
+
+
+def _index(values: list[int], device) -> torch.Tensor:
+    """An int64 index tensor on `device` from a host list (a host-to-device copy: nothing waits on the device)."""
+    return torch.tensor(values, dtype=torch.long, device=device)

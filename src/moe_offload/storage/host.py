@@ -76,6 +76,32 @@ def set_tensor(root: nn.Module, path: str, tensor: torch.Tensor, *, is_buffer: b
             nn.Parameter(tensor, requires_grad=False)
 
 
+class StagedParameters:
+    """One nn.Parameter per staged slot (a module's weight that a hook swaps a staged copy in for during a call),
+    its data rebound each call: hooks create no Parameter per call. Buffers and Parameters (a restored home
+    weight) go in as set_tensor puts them."""
+
+    def __init__(self):
+        self._params: dict[tuple[int, str], nn.Parameter] = {}
+
+    def put(self, root: nn.Module, path: str, tensor: torch.Tensor) -> None:
+        owner_name, _, leaf = path.rpartition(".")
+        owner = root.get_submodule(owner_name) if owner_name else root
+        if leaf in owner._buffers or isinstance(tensor, nn.Parameter):
+            set_tensor(owner, leaf, tensor)
+            return
+        key = (id(owner), leaf)
+        param = self._params.get(key)
+        if param is None or param.dtype != tensor.dtype or param.device != tensor.device:
+            param = self._params[key] = nn.Parameter(tensor, requires_grad=False)
+        else:
+            param.data = tensor
+        owner._parameters[leaf] = param
+
+    def clear(self) -> None:
+        self._params.clear()
+
+
 @dataclass(frozen=True)
 class ExpertSplit:
     """A fused routed-expert tensor [E, ...] with any subset of its experts in host memory.
