@@ -180,3 +180,22 @@ def test_only_the_runtime_accessor_reads_the_runtime_off_a_model():
                     (isinstance(node, ast.Constant) and node.value == "moe_offload_runtime"):
                 named.append(f"{module}:{node.lineno}")
     assert not named, f"read the runtime through run.runtime.runtime_of, not the attribute: {named}"
+
+
+TRANSFORMERS_INTERNALS = ("_compile_all_devices", "output_router", "result_handlers", "logit_processor",
+                          "tensors_required", "cb_logits_processors")
+
+
+def test_transformers_internals_are_touched_in_one_module_only():
+    """What the package uses of transformers beyond its public API lives in run/transformers_compat.py, which
+    checks the version range; no other module names those internals."""
+    named = []
+    for module, path in MODULES.items():
+        if module == "run.transformers_compat":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.attr if isinstance(node, ast.Attribute) else node.module if isinstance(node, ast.ImportFrom) \
+                else None
+            if name and any(part in TRANSFORMERS_INTERNALS for part in name.split(".")):
+                named.append(f"{module}:{node.lineno} {name}")
+    assert not named, f"reach transformers' internals through run/transformers_compat.py: {named}"

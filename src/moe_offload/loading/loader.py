@@ -93,7 +93,9 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     from ..storage.mapped import MODES
     from ..errors import AuditError
     from ..run.runtime import BACKENDS, Runtime
+    from ..run.transformers_compat import check_version as check_transformers
 
+    check_transformers()
     folder = Path(model_dir)
     if not folder.is_dir():
         raise ConfigError(f"{folder} is not a model folder: give a local folder with config.json and safetensors")

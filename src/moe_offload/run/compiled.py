@@ -31,6 +31,7 @@ import torch
 
 from .grouped import check_kernels
 from .runtime import runtime_of
+from .transformers_compat import compile_on_every_device
 
 # Families whose decoding cache is not a static KV cache transformers can compile (state-space / linear
 # attention layers keep their own recurrent state).
@@ -54,8 +55,7 @@ def compile_config(device: torch.device):
 
     cfg = CompileConfig(fullgraph=False, dynamic=False, backend="inductor",
                         mode="reduce-overhead" if device.type == "cuda" else "default")
-    # transformers compiles generate's decode step on its own only on accelerators; asked, it does so anywhere.
-    cfg._compile_all_devices = True
+    compile_on_every_device(cfg)   # by itself transformers compiles the decode step on accelerators only
     return cfg
 
 

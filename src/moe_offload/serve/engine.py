@@ -29,6 +29,7 @@ from typing import AsyncIterator
 from .protocol import ApiError, TextRequest
 from .sampling import Sampler, install
 from ..run.runtime import runtime_of
+from ..run.transformers_compat import drop_result_handler
 
 
 class QueueFull(Exception):
@@ -216,8 +217,7 @@ class Engine:
                 self.manager.cancel_request(rid)
             # A cancelled sequence (a stop string, a disconnect) gets no finished output, which is what would
             # drop its handler: drop it here, or it stays (and takes the outputs of the steps before the cancel).
-            with self.manager.output_router._lock:
-                self.manager.output_router.result_handlers.pop(rid, None)
+            drop_result_handler(self.manager, rid)
 
 
 class _OnDevice:

@@ -28,10 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-try:   # transformers' continuous batching (>= 5.x): the per-request processor interface
-    from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
-except ImportError:   # pragma: no cover - an older transformers: sampled requests are refused (Sampler.usable)
-    ContinuousBatchingLogitsProcessor = object
+from ..run.transformers_compat import ContinuousBatchingLogitsProcessor, add_logits_processor
 
 MASK32 = 0xFFFFFFFF
 
@@ -141,11 +138,5 @@ def draw_tokens(logits: torch.Tensor, temperature: list[float], top_p: list[floa
 def install(manager, sampler: Sampler) -> bool:
     """Add the sampler to a continuous batching manager that has not started; False where this transformers'
     manager has no place for it (sampled requests are then refused with a clear error)."""
-    processors = getattr(manager, "logit_processor", None)
-    if ContinuousBatchingLogitsProcessor is object or processors is None or not hasattr(processors, "logits_processor"):
-        return False
-    processors.logits_processor.append(sampler)
-    processors.tensors_required += 1
-    processors.do_processing = True
-    sampler.usable = True
-    return True
+    sampler.usable = add_logits_processor(manager, sampler)
+    return sampler.usable
