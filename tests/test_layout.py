@@ -199,3 +199,15 @@ def test_transformers_internals_are_touched_in_one_module_only():
             if name and any(part in TRANSFORMERS_INTERNALS for part in name.split(".")):
                 named.append(f"{module}:{node.lineno} {name}")
     assert not named, f"reach transformers' internals through run/transformers_compat.py: {named}"
+
+
+def test_the_read_strategy_is_an_object_not_a_string():
+    """uva and prefetch are strategy objects (run/read_backend.py and one module each); no module compares a
+    backend's name to choose what to do."""
+    compared = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(isinstance(c, ast.Constant) and c.value in ("uva", "prefetch")
+                                                     for c in [node.left, *node.comparators]):
+                compared.append(f"{module}:{node.lineno}")
+    assert not compared, f"ask the runtime's read strategy (rt.reads) instead: {compared}"

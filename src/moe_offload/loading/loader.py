@@ -92,7 +92,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     from ..run.lookahead import SOURCES, Lookahead
     from ..storage.mapped import MODES
     from ..errors import AuditError
-    from ..run.runtime import BACKENDS, Runtime
+    from ..run.runtime import BACKENDS, Runtime, backend_named
     from ..run.transformers_compat import check_version as check_transformers
 
     check_transformers()
@@ -156,7 +156,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     headers = read_headers(safetensors_files(folder))
     slots = map_keys(model, sorted({checkpoint_owner(k, spec)[0] for k in headers}), known=set(by_name))
     quant = quant_layouts(model, spec, headers, slots, {t.name: t.shape for t in plan.tensors}) if spec else {}
-    arena = HostArena(dev, want_uva=(backend == "uva"))
+    arena = HostArena(dev, want_uva=backend_named(backend).wants_views)
     disk = None
     try:
         # Disk-tier tensors are not read here: the runtime reads them from these files (disk_tier.py).

@@ -117,7 +117,7 @@ class ExpertsState:
         cached = rt.cache_step and bool(self.offloaded or self.disk) and rt.cache.serves(self.layer)
         # With a look-ahead, a decode step gathers too: its predicted experts come from the rows copied ahead.
         ahead = rt.lookahead is not None and rt.decode_step
-        if rt.backend == "uva" and not self.split and not cached and (fused or not self.quant) and not self.disk \
+        if rt.reads.in_place and not self.split and not cached and (fused or not self.quant) and not self.disk \
                 and not ahead:
             # In place: the kernels index each selected expert of the host view; the distinct experts are
             # counted on the device at the end of the forward call (no read back during the step).

@@ -34,17 +34,33 @@ import torch
 import torch.nn as nn
 
 from .dense_kernel import attach_fp8
-from .dense_prefetch import DenseRing, tensor_at
+from .dense_prefetch import tensor_at
+from .read_backend import ReadBackend
+from .read_prefetch import PrefetchReads
+from .read_uva import UvaReads
 from .experts import EXPERTS_IMPL, ExpertsState, is_experts_module, register_experts_function
 from ..model.inventory import layer_of, layer_prefix
 from .quant_weights import Dequantizer, Reader, byte_split, byte_view, by_module as quant_by_module
-from .state import Recorder, RoutedCall, RunState, Selected, distinct
-from ..storage.host import ExpertSplit, set_tensor
+from .state import Recorder, RoutedCall, RunState, distinct
+from ..storage.host import ExpertSplit
 
 if TYPE_CHECKING:
     from .device_cache import DeviceCache
 
-BACKENDS = ("uva", "prefetch")
+
+
+STRATEGIES = (UvaReads, PrefetchReads)
+BACKENDS = tuple(cls.name for cls in STRATEGIES)
+
+
+def backend_named(name: str) -> ReadBackend:
+    """The read strategy called `name` ("uva" or "prefetch"); DeviceError for any other."""
+    for cls in STRATEGIES:
+        if cls.name == name:
+            return cls()
+    from ..errors import DeviceError
+
+    raise DeviceError(f"unknown backend {name!r}: use uva (host memory read in place) or prefetch (staged copies)")
 
 
 # The public attribute a loaded model carries (docs/python-api.md); read and set only through these three.
@@ -79,10 +95,8 @@ class Runtime(RunState):
                  splits: dict[str, ExpertSplit] | None = None, recorder: Recorder | None = None,
                  cache: "DeviceCache | None" = None, quant: dict | None = None, disk=None, experts="eager",
                  host_cache=None, lookahead=None):
-        from ..errors import DeviceError
 
-        if backend not in BACKENDS:
-            raise DeviceError(f"unknown backend {backend!r}: use uva or prefetch")
+        self.reads = backend_named(backend)   # the read strategy (read_uva.py / read_prefetch.py)
         # name -> quant_weights.QuantLayout of every tensor held quantized (values + scales as stored, in its tier);
         # the dequantizer turns them into the compute dtype on the device right before use.
         self.quant = dict(quant or {})
@@ -103,16 +117,7 @@ class Runtime(RunState):
     def mechanism(self) -> str:
         disk = f"; {self.disk.mechanism}" if self.disk is not None else ""
         quant = self.dequantizer.mechanism if self.dequantizer is not None else ""
-        return f"{self._link_mechanism}{disk}{quant}; {self.compute.mechanism}"
-
-    @property
-    def _link_mechanism(self) -> str:
-        if self.device.type == "cpu":
-            return (f"{self.backend} on cpu: no accelerator, the host tier is ordinary memory "
-                    "(time figures measure overhead, not a link)")
-        if self.backend == "uva":
-            return "uva: kernels read mapped pinned host memory in place"
-        return "prefetch: pinned host memory copied to reused device buffers on a side stream"
+        return f"{self.reads.link_mechanism(self.device)}{disk}{quant}; {self.compute.mechanism}"
 
     @property
     def host_bytes(self) -> int:
@@ -163,7 +168,7 @@ class Runtime(RunState):
                                                       quant=quantized.get(mod_name, {}), disk=disk)
                 states[mod_name] = mod._moe_offload_state
             elif locals_ and isinstance(mod, nn.Embedding):
-                self._hook_embedding(mod, locals_)
+                self.reads.hook_embedding(self, mod)
             elif locals_:
                 # Dense tensors are handled per decoder layer: a layer always runs, while some of its
                 # submodules are only read through (Mamba's conv1d weight, read by its mixer, never called).
@@ -171,8 +176,10 @@ class Runtime(RunState):
                 group = mod_name if group is None else group
                 rel = mod_name[len(group):].lstrip(".")
                 dense_groups.setdefault(group, []).extend(f"{rel}.{n}" if rel else n for n in locals_)
-        for group, paths in dense_groups.items():
-            self._hook_dense(group, modules[group], paths)
+        for group, paths in dense_groups.items():   # read in full per call
+            mod = modules[group]
+            nbytes = sum(tensor_at(mod, n).numel() * tensor_at(mod, n).element_size() for n in paths)
+            self.reads.hook_dense(self, group, mod, paths, nbytes)
         if self.disk is not None:   # dense and embedding tensors on disk: read while their module runs
             self.disk.attach_dense(self, self.model, {n for n, m in modules.items() if is_experts_module(m)})
         if self.dequantizer is not None:   # after the dense hooks: a staged copy is dequantized, not the host one
@@ -203,9 +210,7 @@ class Runtime(RunState):
         self.handles.clear()
         for mod in getattr(self, "_experts_modules", []):
             mod.__dict__.pop("_moe_offload_state", None)
-        dense = self.__dict__.pop("_dense", None)
-        if dense is not None:
-            dense.release()
+        self.reads.release()
         if self.cache is not None:   # weights may change before attach(): cached copies would go stale
             self.cache.drop_all()
         if self.host_cache is not None:
@@ -234,8 +239,7 @@ class Runtime(RunState):
     def invalidate_staging(self, names=None) -> None:
         """Weights were written in place (update_weights): prefetched copies of them are stale, and so are the
         device cache's copies of the experts of `names` (dotted tensor names; None: of every tensor)."""
-        if getattr(self, "_dense", None) is not None:
-            self._dense.invalidate()
+        self.reads.invalidate()
         if self.cache is not None:
             self.cache.invalidate(names)
 
@@ -286,39 +290,3 @@ class Runtime(RunState):
             routed = {layer: index.cpu() for layer, index in sorted(self.routed.items())}
             self.routed.clear()
             self.recorder(RoutedCall(tokens, self.counter.decode[-1], routed))
-
-    def _hook_embedding(self, mod: nn.Embedding, locals_: list[str]) -> None:
-        host = mod.weight
-        row_bytes = host[0].numel() * host.element_size()
-
-        def pre(m, args):
-            (ids,) = args[:1]
-            if self.backend == "uva":                      # only the distinct rows cross the link: counted on the
-                self.counter.add(distinct(ids, host.shape[0]) * row_bytes)   # device, read with the counts
-                return None
-            rows, local = Selected.of(ids)                 # the staged rows: read to the host once
-            self.counter.add(len(rows.ids) * row_bytes)
-            self.staged_params.put(m, "weight", self.stage_rows(host, list(rows.ids), key="embedding"))
-            # padding_idx indexes the full table (it only masks gradients): F.embedding rejects it when it is
-            # beyond the staged rows, so it is lifted while the staged table is in place.
-            m.padding_idx = None
-            return (local, *args[1:])
-
-        def post(m, args, output):
-            if self.backend != "uva":
-                set_tensor(m, "weight", host)
-                m.padding_idx = padding
-
-        padding = mod.padding_idx
-        self.handles.append(mod.register_forward_pre_hook(pre))
-        self.handles.append(mod.register_forward_hook(post))
-
-    def _hook_dense(self, mod_name: str, mod: nn.Module, locals_: list[str]) -> None:
-        """`locals_`: dotted paths, relative to `mod`, of its offloaded dense tensors (read in full per call)."""
-        nbytes = sum(tensor_at(mod, n).numel() * tensor_at(mod, n).element_size() for n in locals_)
-        if self.backend == "uva":
-            self.handles.append(mod.register_forward_pre_hook(lambda m, a: self.counter.add(nbytes)))
-            return
-        if not hasattr(self, "_dense"):
-            self._dense = DenseRing(self)
-        self._dense.add(mod, locals_, nbytes, mod_name)
