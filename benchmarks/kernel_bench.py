@@ -236,35 +236,23 @@ def summarize(row: dict, H: int, I: int, ids: list[list[int]]) -> dict:
     return row
 
 
-def kt_rows(py: Path | str, row: dict, dims: tuple, ids: dict, max_wait: float, info: dict) -> list[dict]:
-    """kt-kernel's rows for one class and thread count (1 and 4 tokens), or one row saying why there are none."""
-    if isinstance(py, str):
-        return [{**row, "tokens": None, "error": py}]
+def peer_rows(bench, row: dict, dims: tuple, ids: dict, max_wait: float, info: dict | None = None) -> list[dict]:
+    """A peer's rows for one format and thread count (1 and 4 tokens), or one row saying why there are none.
+    `bench(H, E, I, k, format, threads, ids, warmup)` runs it and returns its JSON; a str: why it did not run."""
+    if isinstance(bench, str):
+        return [{**row, "tokens": None, "error": bench}]
     print(f"{row['shape']} {row['format']}: {row['engine']} T={row['threads']} ...", file=sys.stderr)
     wait_quiet(max_wait)
     H, E, I, k = dims
     with Others() as others:
-        out = kt.bench_kt(py, H, E, I, k, row["format"], row["engine"].split()[1], row["threads"], ids, WARMUP)
+        out = bench(H, E, I, k, row["format"], row["threads"], ids, WARMUP)
     if "error" in out:
         return [{**row, "tokens": None, "error": out["error"]}]
-    info["variant"] = out["variant"]
-    return [summarize({**row, "tokens": r["tokens"], "times_us": r["times_us"], "load_s": out["load_s"],
-                       "others": others.share}, H, I, ids[r["tokens"]]) for r in out["rows"]]
-
-
-def ggml_rows(binary: Path | str, row: dict, dims: tuple, ids: dict, max_wait: float) -> list[dict]:
-    """llama.cpp's rows for one format and thread count (1 and 4 tokens), or one row saying why there are none."""
-    if isinstance(binary, str):
-        return [{**row, "tokens": None, "error": binary}]
-    print(f"{row['shape']} {row['format']}: llama.cpp T={row['threads']} ...", file=sys.stderr)
-    wait_quiet(max_wait)
-    H, E, I, k = dims
-    with Others() as others:
-        out = gg.bench_ggml(binary, H, E, I, k, row["format"], row["threads"], ids, WARMUP)
-    if "error" in out:
-        return [{**row, "tokens": None, "error": out["error"]}]
-    return [summarize({**row, "tokens": r["tokens"], "times_us": r["times_us"], "others": others.share}, H, I,
-                      ids[r["tokens"]]) for r in out["rows"]]
+    if info is not None and "variant" in out:
+        info["variant"] = out["variant"]
+    extra = {"load_s": out["load_s"]} if "load_s" in out else {}
+    return [summarize({**row, "tokens": r["tokens"], "times_us": r["times_us"], **extra, "others": others.share},
+                      H, I, ids[r["tokens"]]) for r in out["rows"]]
 
 
 def run(args) -> dict:
@@ -295,17 +283,21 @@ def run(args) -> dict:
             if gname != name or ours not in fmts:
                 continue
             for fmt in gfmts[:1] if args.quick else gfmts:
+                bench = gwhy if binary is None else (lambda *a: gg.bench_ggml(binary, *a))
                 for T in threads:
-                    res["rows"] += ggml_rows(binary or gwhy, dict(shape=name, format=fmt, threads=T, engine=llama_eng,
-                                                                  against=ours if fmt == gfmts[0] else None), (H, E, I, k), ids, args.max_wait)
+                    res["rows"] += peer_rows(bench, dict(shape=name, format=fmt, threads=T, engine=llama_eng,
+                                                         against=ours if fmt == gfmts[0] else None),
+                                             (H, E, I, k), ids, args.max_wait)
         for (kname, fmt), classes in KT.items():
             if args.no_kt or kname != name or args.quick and fmt not in fmts:
                 continue
             for cls in classes[:1] if args.quick else classes:
                 eng = f"kt-kernel {cls}" + " (llamafile)" * (cls == "MOE")
+                bench = why if py is None else (
+                    lambda H, E, I, k, f, T, ids, w, c=cls: kt.bench_kt(py, H, E, I, k, f, c, T, ids, w))
                 for T in threads:
-                    res["rows"] += kt_rows(py or why, dict(shape=name, format=fmt, threads=T, engine=eng), (H, E, I, k),
-                                           ids, args.max_wait, res["kt"])
+                    res["rows"] += peer_rows(bench, dict(shape=name, format=fmt, threads=T, engine=eng), (H, E, I, k),
+                                             ids, args.max_wait, res["kt"])
         bandwidth(threads, bw, args.max_wait)   # again after each shape: the best sample is the machine's speed
     res["bandwidth"] = {T: {"best": max(w.values()), "way": max(w, key=w.get), "ways": w} for T, w in bw.items()}
     for r in res["rows"]:
