@@ -148,6 +148,22 @@ class TokenBytes:
             disk += int(self.expert_disk[i, ids].sum())
         return host, disk
 
+    def step_bytes(self, layer: int, experts: Iterable[int], device_hits: Iterable[int] = (),
+                   host_hits: Iterable[int] = ()) -> tuple[int, int]:
+        """(host, disk) bytes one step of routed layer `layer` reads for its distinct `experts`: each expert's
+        offloaded bytes from the tier that holds them; nothing for a device-cache hit (`device_hits`); the disk
+        bytes of a host-cache hit (`host_hits`) from host memory, so counted as host bytes. The runtime charges
+        every staged layer step with this (run/experts.py), replay sums the same arrays over a trace."""
+        if layer not in self.layers:
+            return 0, 0
+        i = self.layers.index(layer)
+        skip, moved = set(device_hits), set(host_hits)
+        ids = [e for e in experts if e not in skip]
+        host = int(self.expert_host[i, ids].sum()) if ids else 0
+        disk = int(self.expert_disk[i, ids].sum()) if ids else 0
+        from_host = int(self.expert_disk[i, [e for e in ids if e in moved]].sum()) if moved else 0
+        return host + from_host, disk - from_host
+
     # --- expectations ------------------------------------------------------------------------------------
     def expected(self, batch: int = 1, frequencies: Mapping[int, Sequence[float]] | None = None
                  ) -> tuple[float, float]:

@@ -219,9 +219,11 @@ class DeviceCache(PagedCache):
                 "cache_page_bytes": self.page_bytes}
 
     # --- one layer step ----------------------------------------------------------------------
-    def gather(self, rt: RunState, state: ExpertsState, selected: Selected) -> dict[str, torch.Tensor]:
+    def gather(self, rt: RunState, state: ExpertsState, selected: Selected
+               ) -> tuple[dict[str, torch.Tensor], tuple[list[int], list[int]]]:
         """The `selected` experts (ascending ids) of every offloaded tensor of `state`, gathered in that order into
-        the runtime's reused buffers: local name -> [U, ...]. Counts the link bytes of the misses."""
+        the runtime's reused buffers: (local name -> [U, ...], (the experts the cache held, the misses' experts the
+        host cache served)), the two lists the step is charged by (ExpertsState.charge)."""
         lay = self._layers[state.layer]
         ids = list(selected.ids)
         # The policy decides first, expert by expert in ascending id order (replay's order).
@@ -239,7 +241,8 @@ class DeviceCache(PagedCache):
                 self._claim(key, lay, e)
                 admitted[i] = True
         dev, page, layer = rt.device, self.page_bytes, lay.layer
-        disk_rows, disk_reads = self._disk_misses(rt, state, lay, ids, hit) if any(lay.on_disk) else ({}, [])
+        disk_rows, disk_reads, served = self._disk_misses(rt, state, lay, ids, hit) if any(lay.on_disk) \
+            else ({}, [], [])
         staged = {}
         for t, name in enumerate(lay.names):
             host = disk_rows[name] if lay.on_disk[t] else state.offloaded[name]
@@ -266,8 +269,7 @@ class DeviceCache(PagedCache):
                 out.index_copy_(0, _index(resident_pos, dev), resident.index_select(0, _index(resident_rows, dev)))
             if link_pos and lay.on_disk[t]:   # read already (host cache, look-ahead or disk; counted there)
                 out.index_copy_(0, _index(link_pos, dev), host)
-            elif link_pos:
-                rt.counter.add(lay.row_bytes[t] * len(link_pos))    # only misses cross the link
+            elif link_pos:                                          # only misses cross the link
                 rt.copy_expert_rows(host, link_rows, out, link_pos, layer=layer, name=name,
                                     experts=[ids[i] for i in link_pos])   # or the look-ahead's rows
             if cached_rows or admit_rows:
@@ -282,15 +284,15 @@ class DeviceCache(PagedCache):
         if rt.lookahead is not None and rt.decode_step:   # what the guesses saved: the misses read from below
             host_reads = state.host_reads([e for i, e in enumerate(ids) if not hit[i]])
             rt.lookahead.end_layer(layer, sorted(set(host_reads) | set(disk_reads)))
-        return staged
+        return staged, ([e for i, e in enumerate(ids) if hit[i]], served)
 
 
     def _disk_misses(self, rt: RunState, state: ExpertsState, lay: _Layer, ids: list[int], hit: list[bool]
-                     ) -> tuple[dict[str, torch.Tensor], list[int]]:
+                     ) -> tuple[dict[str, torch.Tensor], list[int], list[int]]:
         """The disk-tier tensors' rows of this step's device-cache misses, in ascending id order: local name ->
         [misses on disk in that tensor, ...], and the misses read from disk. Read below the device cache as without
-        it: from the host cache where it holds them, else from the checkpoint (or the rows the look-ahead read),
-        counted there."""
+        it: from the host cache where it holds them, else from the checkpoint (or the rows the look-ahead read);
+        with the misses the host cache served."""
         miss = state.disk_reads([e for i, e in enumerate(ids) if not hit[i]])
         hc = rt.host_cache if rt.host_cache_step and rt.host_cache.serves(lay.layer) else None
         decision = hc.decide(lay.layer, miss) if hc is not None else None
@@ -303,7 +305,8 @@ class DeviceCache(PagedCache):
             rows[name] = rt.disk.stage_experts(rt, state.disk[name], mine, None, key=f"{name}:cache-miss",
                                                cached=None if ti is None else (hc, decision, ti), layer=lay.layer,
                                                lookahead_key=name)
-        return rows, state.disk_reads(miss, decision)
+        served = [e for e in miss if decision is not None and decision.hit.get(e, False)]   # by the host cache
+        return rows, state.disk_reads(miss, decision), served
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:

@@ -177,8 +177,9 @@ class DiskTier:
     def _fetch(self, rt: RunState, src: DiskTensor, ids: list[int], dest: torch.Tensor, key: str, cached,
                layer: int | None, la_key: str, positions: list[int] | None = None) -> None:
         """dest[positions[j]] (positions: 0, 1, ... when not given; given only for a cpu `dest`) = expert ids[j]'s
-        row: from the host cache where it holds it (host-link bytes), else from the checkpoint (disk bytes: read
-        ahead by the look-ahead, or now, straight into its row), an admitted one then copied into its pages."""
+        row: from the host cache where it holds it, else from the checkpoint (read ahead by the look-ahead, or now,
+        straight into its row), an admitted one then copied into its pages. The bytes are charged by the layer step
+        (ExpertsState.charge), not here."""
         pos = list(range(len(ids))) if positions is None else positions
         hit = cached[1].hit if cached is not None else {}
         la = rt.lookahead if rt.decode_step and layer is not None else None
@@ -193,7 +194,6 @@ class DiskTier:
                 self._read_rows(src, ids, dest, key)
             else:
                 self._read_into(src, ids, dest, pos)
-            rt.disk_counter.add(src.row_bytes * len(ids))
             return
         rows = dest if dest.device.type == "cpu" else torch.empty(tuple(dest.shape), dtype=dest.dtype)
         miss = [j for j, e in enumerate(ids) if not hit.get(e, False) and e not in ahead]
@@ -210,9 +210,6 @@ class DiskTier:
                 cached[0].store(cached[1], cached[2], e, row)
         if rows is not dest:
             dest.copy_(rows)
-        hits = sum(1 for e in ids if hit.get(e, False))
-        rt.disk_counter.add(src.row_bytes * (len(ids) - hits))   # read from the checkpoint, now or ahead
-        rt.counter.add(src.row_bytes * hits)
 
     def _read_into(self, src: DiskTensor, ids: list[int], rows: torch.Tensor, positions: list[int]) -> None:
         """rows[positions[j]] = expert ids[j]'s row, read from the checkpoint straight into place (`rows` on the cpu):

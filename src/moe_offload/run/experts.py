@@ -9,8 +9,8 @@ forward unchanged.
 For a module with offloaded experts only the experts the router selected are read:
 
 - whole tensors on the host, uva backend: the kernels index the selected experts of
-  the host view in place; the distinct experts are counted on the device (state.distinct) and read
-  back with the counts, never during the step;
+  the host view in place; the distinct experts are charged on the device (state.picked_bytes,
+  from the plan's accounting) and read back with the counts, never during the step;
 - otherwise (prefetch, or any tensor split between tiers): the U selected experts are
   gathered, in ascending expert order, into reused buffers, each from the stack that holds
   it (a split tensor's resident stack on the device, its host stack over the link), and the
@@ -83,10 +83,6 @@ def register_experts_function() -> None:
         ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPL, experts_forward)
 
 
-def _row_bytes(t: torch.Tensor) -> int:
-    return t[0].numel() * t.element_size()
-
-
 @dataclass
 class ExpertsState:
     runtime: RunState
@@ -121,12 +117,20 @@ class ExpertsState:
                 and not ahead:
             # In place: the kernels index each selected expert of the host view; the distinct experts are
             # counted on the device at the end of the forward call (no read back during the step).
-            per_expert = sum(_row_bytes(t) for t in self.offloaded.values())
-            rt.routes.append((top_k_index.detach(), per_expert, self.num_experts))
+            rt.routes.append((top_k_index.detach(), self.layer))
             return rt.compute(module, {}, hidden_states, top_k_index, top_k_weights, decode=decode, quant=quant)
         staged, local, count = self.gather(module, top_k_index, cached, dequantize=not fused)
         view = _StagedExperts(module, staged, count)
         return rt.compute(module, staged, hidden_states, local, top_k_weights, view=view, decode=decode, quant=quant)
+
+    def charge(self, ids: list[int], device_hits=(), host_hits=()) -> None:
+        """Charge this layer step's reads, once, from the plan's accounting (TokenBytes.step_bytes): every selected
+        expert's offloaded bytes from its tier, nothing for a device-cache hit, a host-cache hit's disk bytes from
+        host memory. Where the bytes then come from (the look-ahead's rows included) does not change the count."""
+        rt = self.runtime
+        host, disk = rt.token_bytes.step_bytes(self.layer, ids, device_hits, host_hits)
+        rt.counter.add(host)
+        rt.disk_counter.add(disk)
 
     def disk_reads(self, ids: list[int], decision=None) -> list[int]:
         """Of `ids`, the experts read from the disk tier in this layer step: on disk in some tensor, not served by
@@ -164,9 +168,12 @@ class ExpertsState:
             la.routed(self.layer, ids)
         # Through the device cache, every offloaded expert tensor (host and disk tier: device_cache.py reads the disk
         # ones' misses below it); else disk-tier experts from the host cache (host_cache.py) or the checkpoint.
-        staged = rt.cache.gather(rt, self, selected) if cached else {}
+        staged, hits = rt.cache.gather(rt, self, selected) if cached else ({}, ((), ()))
         hc = rt.host_cache if rt.host_cache_step and self.disk and not cached else None
         decision = hc.decide(self.layer, ids) if hc is not None and hc.serves(self.layer) else None
+        if decision is not None:
+            hits = ((), [e for e in ids if decision.hit.get(e, False)])
+        self.charge(ids, *hits)
         for name, src in self.disk.items():                     # read from the checkpoint (disk_tier.py)
             if name in staged:                                  # through the device cache
                 continue
@@ -178,12 +185,9 @@ class ExpertsState:
                 continue
             split = self.split.get(name)
             if split is None:
-                rt.counter.add(_row_bytes(t) * len(ids))
                 staged[name] = rt.stage_rows(t, ids, key=name, layer=self.layer)
-                continue
-            host_ids = set(split.host_ids)
-            rt.counter.add(_row_bytes(t) * sum(e in host_ids for e in ids))
-            staged[name] = rt.stage_split(split, t, selected, key=name, layer=self.layer)
+            else:
+                staged[name] = rt.stage_split(split, t, selected, key=name, layer=self.layer)
         if la is not None and not cached and (self.disk or self.offloaded):
             # what the guesses saved (the device cache counts its own misses)
             la.end_layer(self.layer, sorted(set(self.disk_reads(ids, decision)) | set(self.host_reads(ids))))

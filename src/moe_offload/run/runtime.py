@@ -41,7 +41,7 @@ from .read_uva import UvaReads
 from .experts import EXPERTS_IMPL, ExpertsState, is_experts_module, register_experts_function
 from ..model.inventory import layer_of, layer_prefix
 from .quant_weights import Dequantizer, Reader, byte_split, byte_view, by_module as quant_by_module
-from .state import Recorder, RoutedCall, RunState, distinct
+from .state import Recorder, RoutedCall, RunState, picked_bytes
 from ..storage.host import ExpertSplit
 
 if TYPE_CHECKING:
@@ -109,6 +109,8 @@ class Runtime(RunState):
         # name -> the host-memory tensor behind an offloaded weight (the model may hold a uva view of it)
         self.host_tensors = dict(host_tensors or {})
         self.plan = plan                     # the plan applied, for audits after transforms
+        # The plan's accounting (planning/accounting.py): what a staged layer step charges, as replay counts it.
+        self.token_bytes = plan.token_bytes() if plan is not None else None
         # name -> layout (resident stack, host ids) of routed-expert tensors split between tiers by expert
         self.splits = dict(splits or {})
 
@@ -219,6 +221,14 @@ class Runtime(RunState):
         self.routed.clear()
         self.staged_params.clear()
 
+    def _expert_bytes(self, layer: int) -> torch.Tensor:
+        """[E] int64 on the device: each expert's host-tier bytes in routed layer `layer` (TokenBytes.expert_host)."""
+        cached = self.__dict__.setdefault("_expert_bytes_of", {})
+        if layer not in cached:
+            tb = self.token_bytes
+            cached[layer] = torch.tensor(tb.expert_host[tb.layers.index(layer)], device=self.device)
+        return cached[layer]
+
     def close(self) -> None:
         """Stop every worker (look-ahead reads and copies, disk reads), remove every hook, drop the caches and
         staging buffers and release the host arena and the disk tier's files. Idempotent. The model's offloaded
@@ -280,8 +290,8 @@ class Runtime(RunState):
     def _top_post(self, module, args, kwargs, output):
         if self.lookahead is not None:
             self.lookahead.settle()    # wrong guesses' reads end with the call that started them
-        for top_k_index, per_expert, experts in self.routes:   # counted on the device: no wait here
-            self.counter.add(distinct(top_k_index, experts) * per_expert)
+        for top_k_index, layer in self.routes:   # charged on the device from the plan's accounting: no wait here
+            self.counter.add(picked_bytes(top_k_index, self._expert_bytes(layer)))
         self.routes.clear()
         tokens, decode = self.step_tokens, getattr(self, "_decode", None)
         self.counter.end_call(tokens, decode)

@@ -109,7 +109,7 @@ class RunState:
         # The disk tier (disk_tier.DiskTier) or None; its reads are counted apart from the host link's.
         self.disk = disk
         self.disk_counter = LinkCounter()
-        self.routes: list[tuple[torch.Tensor, int, int]] = []  # uva: (top_k_index, bytes per expert, experts)
+        self.routes: list[tuple[torch.Tensor, int]] = []  # uva in place: (top_k_index, layer), charged per call
         # Called with each forward call's routing (RoutedCall) when set; `routed` collects it during the call.
         self.recorder: Recorder | None = recorder
         self.routed: dict[int, torch.Tensor] = {}
@@ -241,6 +241,14 @@ def distinct(index: torch.Tensor, size: int) -> torch.Tensor:
     """How many distinct values in [0, size) `index` holds, as a 0-dim int64 tensor on its device (no read back)."""
     present = torch.zeros(size, dtype=torch.bool, device=index.device)
     return present.index_fill_(0, index.reshape(-1).long(), True).sum()
+
+
+def picked_bytes(index: torch.Tensor, expert_bytes: torch.Tensor) -> torch.Tensor:
+    """The bytes of the distinct experts `index` picks, each counted once (expert_bytes [E] int64 per expert), as a
+    0-dim tensor on the device (no read back)."""
+    present = torch.zeros(expert_bytes.shape[0], dtype=torch.bool, device=index.device)
+    present.index_fill_(0, index.reshape(-1).long(), True)
+    return (expert_bytes * present).sum()
 
 
 def row_runs(positions: list[int], rows: list[int]) -> list[tuple[int, int, int]]:
