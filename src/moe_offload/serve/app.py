@@ -73,6 +73,17 @@ def build_app(engine: Engine, tokenizer, *, served_name: str, context: int, api_
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 
+    class ClosingStream(StreamingResponse):
+        """A stream whose body is closed as soon as the response ends, a client's disconnect included: Starlette
+        then cancels the send while the body generator waits at a `yield`, and would leave closing it (which frees
+        the request's slot in the engine) to the garbage collector."""
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                await self.body_iterator.aclose()
+
     app = FastAPI(title="moe-offload", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
     encoders = {"completion": _prompt_ids(tokenizer), "chat": _chat_ids(tokenizer)}
@@ -134,8 +145,8 @@ def build_app(engine: Engine, tokenizer, *, served_name: str, context: int, api_
             if metrics is not None:
                 metrics.answered("200", len(req.prompt_ids), last.completion_tokens)
             return response(req, rid, served_name, text, last.finish, last.completion_tokens)
-        return StreamingResponse(_sse(req, rid, first, events), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return ClosingStream(_sse(req, rid, first, events), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
 
     async def _sse(req, rid, first, events):
         status, last, ok = "cancelled", first, False
