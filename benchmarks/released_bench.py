@@ -237,14 +237,8 @@ def main(argv=None) -> int:
     result["goals"] = goals(result["rows"])
     text = markdown(result)
     print(text)
-    docs = None if result["quick"] else ROOT / "docs"
-    for d in [args.out] + ([docs] if docs else []):
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "released_bench.json").write_text(json.dumps(result, indent=1, default=str))
-        (d / "released_bench.md").write_text(text)
-        plot(result, d / "released-bench.png")
-    print(f"wrote {args.out}" + (f" and {docs}" if docs else "") + f" ({result['wall_s']:.0f} s measuring)",
-          file=sys.stderr)
+    sb.write_reports("released_bench", "released-bench.png", result, text, plot, args.out,
+                     None if result["quick"] else ROOT / "docs")
     return 0
 
 

@@ -300,9 +300,9 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows, models, threads = result["rows"], result["models"], result["threads"]
-    arms = [*ARMS, "llama.cpp", "vLLM"]
-    colours = {"eager": "tab:orange", "grouped": "tab:green", "compiled": "tab:blue", "llama.cpp": "black",
-               "vLLM": "tab:purple"}
+    arms = [a for a in [*ARMS, "llama.cpp", "vLLM"] if any(r["arm"] == a for r in rows)]   # the arms measured
+    colours = {"eager": "tab:orange", "grouped": "tab:green", "compiled": "tab:blue", "fused": "tab:red",
+               "llama.cpp": "black", "vLLM": "tab:purple"}
     fig, axes = plt.subplots(1, len(threads), figsize=(6.5 * len(threads), 4.2), squeeze=False)
     width = 0.8 / len(arms)
     for ax, t in zip(axes[0], threads):
@@ -384,15 +384,19 @@ def main(argv=None) -> int:
     add_ratios(result["rows"])
     result["goals"] = goals(result["rows"], result["tokens"], result["models"])
     print_table(result["rows"], result["goals"])
-    text = markdown(result)
-    for d in [args.out] + ([docs] if docs else []):
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "step_bench.json").write_text(json.dumps(result, indent=1, default=str))
-        (d / "step_bench.md").write_text(text)
-        plot(result, d / "step-bench.png")
-    print(f"wrote {args.out}" + (f" and {docs}" if docs else "") + f" ({result['wall_s']:.0f} s measuring)",
-          file=sys.stderr)
+    write_reports("step_bench", "step-bench.png", result, markdown(result), plot, Path(args.out), docs)
     return 0
+
+
+def write_reports(name: str, png: str, result: dict, text: str, plot, out: Path, docs: Path | None) -> None:
+    """NAME.json, NAME.md and the plot into `out` (bench-out/) and `docs` (None: not there), and say where."""
+    for d in [out] + ([docs] if docs else []):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
+        (d / f"{name}.md").write_text(text)
+        plot(result, d / png)
+    print(f"wrote {out}" + (f" and {docs}" if docs else "") + f" ({result['wall_s']:.0f} s measuring)",
+          file=sys.stderr)
 
 
 if __name__ == "__main__":
