@@ -7,7 +7,9 @@ import torch
 
 from fixtures_models import load, prompt_ids
 
+import moe_offload as mo
 from moe_offload.planning.placement import GiB
+from moe_offload.run.runtime import runtime_of
 from moe_offload.run.experts import is_experts_module
 from moe_offload.tiny.make import make_tiny
 
@@ -91,3 +93,24 @@ def resident_maker(folder, experts: str):
         return done[key]
 
     return get
+
+
+def offloaded_equals_resident(folder, resident, family: str, make: dict, way: str, experts: str, check=None):
+    """Load `family` (make_tiny `make`) offloaded `way` with `experts`, generate, and assert its tokens and logits
+    equal the resident run's bit for bit; `check(model, rt)` runs after generating, before the comparison."""
+    path = folder(family, **make)
+    ids, (want_seq, want_logits) = resident(family, **make)
+    options, placed = offload_way(way, mo.plan(path, offload_gb=0))
+    model, plan = load(path, experts=experts, **options)
+    assert placed(plan), [(t.name, t.tier, t.host_experts) for t in routed_tensors(plan)]
+    rt = runtime_of(model)
+    seq, logits = generate_new(model, ids)
+    if check is not None:
+        check(model, rt)
+    assert torch.equal(seq, want_seq)
+    assert torch.equal(logits, want_logits), f"max |diff| {(logits.float() - want_logits.float()).abs().max()}"
+    if way == "cache":
+        stats = rt.cache.stats()
+        assert stats["cache_hits"] + stats["cache_misses"] > 0
+    if way == "disk":
+        assert rt.disk_counter.decode_bytes_per_token() > 0

@@ -15,8 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import moe_offload as mo
-from fixtures_experts import SIZES, experts_module, folder_maker, generate_new, offload_way, resident_maker, routed_tensors
+from fixtures_experts import SIZES, experts_module, folder_maker, offloaded_equals_resident, resident_maker
 from fixtures_models import load
 from moe_offload.errors import DeviceError
 from moe_offload.run.compute import ExpertsMode, resolve_experts
@@ -61,22 +60,13 @@ CASES += [("gpt_oss", {"quant": "mxfp4"}, way) for way in ("uva", "split")]
 @pytest.mark.parametrize("family, make, way", CASES,
                          ids=[f"{f}-{'-'.join(map(str, m.values())) or 'fp32'}-{w}" for f, m, w in CASES])
 def test_offloaded_fused_is_bitwise_the_resident_fused(folder, resident, family, make, way):
-    path = folder(family, **make)
-    ids, (want_seq, want_logits) = resident(family, **make)
-    options, placed = offload_way(way, mo.plan(path, offload_gb=0))
-    model, plan = load(path, experts="fused", **options)
-    assert placed(plan), [(t.name, t.tier, t.host_experts) for t in routed_tensors(plan)]
-    rt = model.moe_offload_runtime
-    assert rt.compute.mode is ExpertsMode.FUSED and "CPU kernels" in rt.mechanism
-    seq, logits = generate_new(model, ids)
-    assert rt.compute._unsupported and not any(rt.compute._unsupported.values())   # every module ran fused
-    if rt.dequantizer is not None:   # quantized experts were read as stored: no dequantized copy was made
-        assert not [key for key in rt.dequantizer._buffers if key[0] == "experts"]
-    assert torch.equal(seq, want_seq)
-    assert torch.equal(logits, want_logits), f"max |diff| {(logits.float() - want_logits.float()).abs().max()}"
-    if way == "cache":
-        stats = rt.cache.stats()
-        assert stats["cache_hits"] + stats["cache_misses"] > 0
+    def check(model, rt):
+        assert rt.compute.mode is ExpertsMode.FUSED and "CPU kernels" in rt.mechanism
+        assert rt.compute._unsupported and not any(rt.compute._unsupported.values())   # every module ran fused
+        if rt.dequantizer is not None:   # quantized experts were read as stored: no dequantized copy was made
+            assert not [key for key in rt.dequantizer._buffers if key[0] == "experts"]
+
+    offloaded_equals_resident(folder, resident, family, make, way, "fused", check)
 
 
 def test_long_prefills_run_the_class_forward(folder):

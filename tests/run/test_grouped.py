@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import moe_offload as mo
-from fixtures_experts import SIZES, experts_module as _experts_module, folder_maker, generate_new, offload_way, resident_maker, routed_tensors
+from fixtures_experts import (SIZES, experts_module as _experts_module, folder_maker, offload_way,
+                              offloaded_equals_resident, resident_maker)
 from fixtures_models import load, prompt_ids
 from moe_offload.errors import MoeOffloadError
 from moe_offload.measure.timing import _forward_keywords
@@ -119,24 +120,13 @@ CASES += [("qwen3_moe", {"quant": "fp8"}, way) for way in ("uva", "split")]   # 
 @pytest.mark.parametrize("family, make, way", CASES,
                          ids=[f"{f}-{'-'.join(map(str, m.values())) or 'fp32'}-{w}" for f, m, w in CASES])
 def test_offloaded_grouped_is_bitwise_the_resident_grouped(folder, resident, family, make, way):
-    path = folder(family, **make)
-    ids, (want_seq, want_logits) = resident(family, **make)
-    options, placed = offload_way(way, mo.plan(path, offload_gb=0))
-    model, plan = load(path, experts="grouped", **options)
-    assert placed(plan), [(t.name, t.tier, t.host_experts) for t in routed_tensors(plan)]
-    rt = model.moe_offload_runtime
-    assert rt.compute.mode is ExpertsMode.GROUPED
-    seq, logits = generate_new(model, ids)
-    assert rt.compute._kernel is not None                  # the decode steps ran the grouped kernel
-    if make.get("dtype"):
-        assert _experts_module(model).down_proj.dtype == torch.bfloat16   # the experts compute in bf16
-    assert torch.equal(seq, want_seq)
-    assert torch.equal(logits, want_logits), f"max |diff| {(logits.float() - want_logits.float()).abs().max()}"
-    if way == "cache":
-        stats = rt.cache.stats()
-        assert stats["cache_hits"] + stats["cache_misses"] > 0
-    if way == "disk":
-        assert rt.disk_counter.decode_bytes_per_token() > 0
+    def check(model, rt):
+        assert rt.compute.mode is ExpertsMode.GROUPED
+        assert rt.compute._kernel is not None                  # the decode steps ran the grouped kernel
+        if make.get("dtype"):
+            assert _experts_module(model).down_proj.dtype == torch.bfloat16   # the experts compute in bf16
+
+    offloaded_equals_resident(folder, resident, family, make, way, "grouped", check)
 
 
 # --- byte counts do not depend on the compute -------------------------------------------------------------
