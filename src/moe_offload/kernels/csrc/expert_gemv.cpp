@@ -39,6 +39,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -101,6 +102,19 @@ inline float reduce16(const float* a) {
 }
 
 inline const uint8_t* expert_rows(const Job& j, int64_t e) { return j.w + e * j.w_expert_bytes; }
+
+// Calls f(std::integral_constant<int64_t, WT>{}) for the job's weight type: the one place the run-time type becomes
+// the template argument of an ISA path's row kernel (each path's dispatcher is then one line).
+template <class F>
+inline void by_wtype(int64_t wtype, F&& f) {
+  switch (wtype) {
+    case F32: f(std::integral_constant<int64_t, F32>{}); break;
+    case BF16: f(std::integral_constant<int64_t, BF16>{}); break;
+    case F16: f(std::integral_constant<int64_t, F16>{}); break;
+    case FP8: f(std::integral_constant<int64_t, FP8>{}); break;
+    default: f(std::integral_constant<int64_t, MXFP4>{});
+  }
+}
 
 inline int64_t elem_bytes(int64_t wtype) { return wtype == F32 ? 4 : (wtype == FP8 ? 1 : 2); }
 
@@ -317,13 +331,7 @@ AVX2_TARGET void rows_avx2_t(const Job& j, int64_t e, int64_t o0, int64_t o1, co
 }
 
 void rows_avx2(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt) {
-  switch (j.wtype) {
-    case F32: rows_avx2_t<F32>(j, e, o0, o1, toks, nt); break;
-    case BF16: rows_avx2_t<BF16>(j, e, o0, o1, toks, nt); break;
-    case F16: rows_avx2_t<F16>(j, e, o0, o1, toks, nt); break;
-    case FP8: rows_avx2_t<FP8>(j, e, o0, o1, toks, nt); break;
-    default: rows_avx2_t<MXFP4>(j, e, o0, o1, toks, nt);
-  }
+  by_wtype(j.wtype, [&](auto wt) { rows_avx2_t<decltype(wt)::value>(j, e, o0, o1, toks, nt); });
 }
 
 // Transposed: the tile's columns [o0, o1) of every row i in turn, each row's span read contiguously, the
@@ -468,13 +476,7 @@ AVX512_TARGET void rows_avx512_t(const Job& j, int64_t e, int64_t o0, int64_t o1
 }
 
 void rows_avx512(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt) {
-  switch (j.wtype) {
-    case F32: rows_avx512_t<F32>(j, e, o0, o1, toks, nt); break;
-    case BF16: rows_avx512_t<BF16>(j, e, o0, o1, toks, nt); break;
-    case F16: rows_avx512_t<F16>(j, e, o0, o1, toks, nt); break;
-    case FP8: rows_avx512_t<FP8>(j, e, o0, o1, toks, nt); break;
-    default: rows_avx512_t<MXFP4>(j, e, o0, o1, toks, nt);
-  }
+  by_wtype(j.wtype, [&](auto wt) { rows_avx512_t<decltype(wt)::value>(j, e, o0, o1, toks, nt); });
 }
 
 template <int64_t WT>
