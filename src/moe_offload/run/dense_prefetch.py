@@ -32,6 +32,7 @@ class DenseRing:
         self.free: list = [None, None]
         self.order: dict[int, nn.Module] = {}   # module id -> module that ran after it
         self.modules: dict[int, tuple[nn.Module, list[str], int]] = {}
+        self.hosts: dict[int, dict[str, torch.Tensor]] = {}   # module id -> its host tensors, noted at its first call
         self.last: int | None = None
         self.slot = 0
         self.names: dict[int, str] = {}
@@ -47,7 +48,7 @@ class DenseRing:
         self.rt.handles.append(mod.register_forward_hook(self.post))
 
     def _copy_into(self, slot: int, mod: nn.Module, locals_: list[str]) -> list[torch.Tensor]:
-        hosts = [mod._moe_offload_host[n] for n in locals_]
+        hosts = [self.hosts[id(mod)][n] for n in locals_]
         sizes = [-(-h.numel() * h.element_size() // 16) * 16 for h in hosts]
         buf = self.ring[slot]
         if buf is None:
@@ -67,8 +68,8 @@ class DenseRing:
     def pre(self, mod, args):
         _, locals_, nbytes = self.modules[id(mod)]
         self.rt.counter.add(nbytes)                           # read in full, every call
-        if not hasattr(mod, "_moe_offload_host"):
-            mod._moe_offload_host = {n: tensor_at(mod, n) for n in locals_}
+        if id(mod) not in self.hosts:
+            self.hosts[id(mod)] = {n: tensor_at(mod, n) for n in locals_}
         if self.outer is None:
             self.outer = {i for i, name in self.names.items()
                           if any(o != i and other.startswith(f"{name}." if name else "")
@@ -77,7 +78,7 @@ class DenseRing:
             # Its tensors (gpt-oss attention `sinks`) stay in use while the staged modules inside it run
             # through the ring, so they get buffers of their own instead of a ring slot.
             for n in locals_:
-                h = mod._moe_offload_host[n]
+                h = self.hosts[id(mod)][n]
                 v = self.rt.buffer(("module", id(mod), n), tuple(h.shape), h.dtype)
                 v.copy_(h, non_blocking=True)
                 self.rt.staged_params.put(mod, n, v)
@@ -105,7 +106,7 @@ class DenseRing:
             return
         other = 1 - self.slot
         nxt_mod, nxt_locals, _ = self.modules[nxt[0]]
-        if not hasattr(nxt_mod, "_moe_offload_host"):
+        if id(nxt_mod) not in self.hosts:
             return
         if self.free[other] is not None:
             stream.wait_event(self.free[other])
@@ -117,7 +118,7 @@ class DenseRing:
     def post(self, mod, args, output):
         _, locals_, _ = self.modules[id(mod)]
         for n in locals_:
-            set_tensor(mod, n, mod._moe_offload_host[n])
+            set_tensor(mod, n, self.hosts[id(mod)][n])
         if id(mod) in (self.outer or ()):
             return
         if self.rt.stream is not None:
@@ -137,8 +138,7 @@ class DenseRing:
 
     def release(self) -> None:
         """Drop the cached host tensors of every module (detach: weights may be re-registered)."""
-        for mod, _, _ in self.modules.values():
-            mod.__dict__.pop("_moe_offload_host", None)
+        self.hosts.clear()
 
 
 def tensor_at(mod: nn.Module, path: str) -> torch.Tensor:
