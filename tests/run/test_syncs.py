@@ -150,7 +150,8 @@ def test_hooks_rebind_their_staged_parameters_instead_of_making_new_ones(folder,
 
 
 def test_staged_rows_cross_the_link_one_copy_per_run_of_consecutive_rows():
-    from moe_offload.run.state import RunState, row_runs
+    from moe_offload.run.state import RunState
+    from moe_offload.storage.host import row_runs
 
     assert row_runs([0, 1, 2, 3, 4], [5, 6, 7, 9, 10]) == [(0, 5, 3), (3, 9, 2)]
     assert row_runs([4, 5, 0], [1, 2, 3]) == [(4, 1, 2), (0, 3, 1)]

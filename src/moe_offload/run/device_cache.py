@@ -52,7 +52,7 @@ from ..planning.placement import GiB, format_bytes
 
 from .experts import ExpertsState
 from .pages import PagedCache
-from .state import RunState, Selected
+from .state import RunState, Selected, index_tensor
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -266,20 +266,20 @@ class DeviceCache(PagedCache):
                         admit_pages.extend(self._pages[(layer, e)][t])
             if resident_pos:
                 resident = state.split[name].resident
-                out.index_copy_(0, _index(resident_pos, dev), resident.index_select(0, _index(resident_rows, dev)))
+                out.index_copy_(0, index_tensor(resident_pos, dev), resident.index_select(0, index_tensor(resident_rows, dev)))
             if link_pos and lay.on_disk[t]:   # read already (host cache, look-ahead or disk; counted there)
-                out.index_copy_(0, _index(link_pos, dev), host)
+                out.index_copy_(0, index_tensor(link_pos, dev), host)
             elif link_pos:                                          # only misses cross the link
                 rt.copy_expert_rows(host, link_rows, out, link_pos, layer=layer, name=name,
                                     experts=[ids[i] for i in link_pos])   # or the look-ahead's rows
             if cached_rows or admit_rows:
                 out_pages = out.view(-1).view(torch.uint8).view(-1, page)   # [U * k, page_bytes]
                 if cached_rows:
-                    out_pages.index_copy_(0, _index(cached_rows, dev),
-                                          self.arena.index_select(0, _index(cached_pages, dev)))
+                    out_pages.index_copy_(0, index_tensor(cached_rows, dev),
+                                          self.arena.index_select(0, index_tensor(cached_pages, dev)))
                 if admit_rows:   # after the link copy landed in `out` (same stream): out -> its pages
-                    self.arena.index_copy_(0, _index(admit_pages, dev),
-                                           out_pages.index_select(0, _index(admit_rows, dev)))
+                    self.arena.index_copy_(0, index_tensor(admit_pages, dev),
+                                           out_pages.index_select(0, index_tensor(admit_rows, dev)))
             staged[name] = out
         if rt.lookahead is not None and rt.decode_step:   # what the guesses saved: the misses read from below
             host_reads = state.host_reads([e for i, e in enumerate(ids) if not hit[i]])
@@ -307,10 +307,6 @@ class DeviceCache(PagedCache):
                                                lookahead_key=name)
         served = [e for e in miss if decision is not None and decision.hit.get(e, False)]   # by the host cache
         return rows, state.disk_reads(miss, decision), served
-
-
-def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
 
 
 def cache_stats(cache: DeviceCache | None) -> dict:

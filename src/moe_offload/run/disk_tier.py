@@ -36,7 +36,7 @@ from ..storage.disk_prefetch import DensePrefetcher
 from ..errors import CheckpointError, MoeOffloadError
 from ..model.inventory import layer_prefix
 from ..formats.layouts import Slot
-from .state import RunState, Selected
+from .state import RunState, Selected, index_tensor
 from ..planning.placement import Tier
 from ..storage.host import HostArena, set_tensor
 
@@ -158,20 +158,14 @@ class DiskTier:
         if split is None:
             self._fetch(rt, src, ids, out, key, cached, layer, la_key)
             return out
-        places = [split.where(e) for e in ids]                  # "host": on disk, for a disk-tier split
-        here = [i for i, (tier, _) in enumerate(places) if tier != Tier.HOST]
-        there = [i for i, (tier, _) in enumerate(places) if tier == Tier.HOST]
-        if here:
-            dev = out.device
-            out.index_copy_(0, torch.tensor(here, device=dev),
-                            split.resident.index_select(0, torch.tensor([places[i][1] for i in here], device=dev)))
+        there, _ = rt.gather_resident(split, ids, out)          # "host": on disk, for a disk-tier split
         on_disk = [ids[i] for i in there]
         if on_disk and out.device.type == "cpu":                # read straight into their rows of `out`
             self._fetch(rt, src, on_disk, out, key, cached, layer, la_key, positions=there)
         elif on_disk:
             tmp = rt.buffer(("disk-rows", key, src.shape[1:], src.dtype), (len(on_disk), *src.shape[1:]), src.dtype)
             self._fetch(rt, src, on_disk, tmp, key, cached, layer, la_key)
-            out.index_copy_(0, torch.tensor(there, device=out.device), tmp)
+            out.index_copy_(0, index_tensor(there, out.device), tmp)
         return out
 
     def _fetch(self, rt: RunState, src: DiskTensor, ids: list[int], dest: torch.Tensor, key: str, cached,
@@ -302,26 +296,13 @@ class DiskTier:
         rt.handles.append(mod.register_forward_hook(post))
 
     def _hook_embedding(self, rt: RunState, mod: nn.Embedding, src: DiskTensor) -> None:
-        placeholder, padding = mod.weight, mod.padding_idx
-
-        def pre(m, args):
-            (ids,) = args[:1]
-            picked = Selected.of_ids(sorted(set(ids.reshape(-1).tolist())), ids.device)   # only these rows are read
-            rows = picked.index
-            rt.disk_counter.add(len(picked.ids) * src.row_bytes)
-            out = rt.buffer(("rows", "disk-embedding", src.shape[1:], src.dtype), (len(picked.ids), *src.shape[1:]),
+        def stage(rows: list[int]) -> torch.Tensor:   # only these rows are read
+            out = rt.buffer(("rows", "disk-embedding", src.shape[1:], src.dtype), (len(rows), *src.shape[1:]),
                             src.dtype)
-            self._read_rows(src, list(picked.ids), out, "disk-embedding")
-            rt.staged_params.put(m, "weight", out)
-            m.padding_idx = None   # it indexes the full table; the staged rows are renumbered
-            return (torch.searchsorted(rows, ids), *args[1:])
+            self._read_rows(src, rows, out, "disk-embedding")
+            return out
 
-        def post(m, args, output):
-            set_tensor(m, "weight", placeholder)
-            m.padding_idx = padding
-
-        rt.handles.append(mod.register_forward_pre_hook(pre))
-        rt.handles.append(mod.register_forward_hook(post))
+        rt.hook_staged_embedding(mod, stage, rt.disk_counter, src.row_bytes)
 
 
 def placeholder(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

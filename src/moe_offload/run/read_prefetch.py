@@ -13,8 +13,6 @@ import torch.nn as nn
 
 from .dense_prefetch import DenseRing
 from .read_backend import ReadBackend
-from .state import Selected
-from ..storage.host import set_tensor
 
 
 class PrefetchReads(ReadBackend):
@@ -29,25 +27,9 @@ class PrefetchReads(ReadBackend):
         return "prefetch: pinned host memory copied to reused device buffers on a side stream"
 
     def hook_embedding(self, rt, mod: nn.Embedding) -> None:
-        host, padding = mod.weight, mod.padding_idx
-        row_bytes = host[0].numel() * host.element_size()
-
-        def pre(m, args):
-            (ids,) = args[:1]
-            rows, local = Selected.of(ids)                 # the staged rows: read to the host once
-            rt.counter.add(len(rows.ids) * row_bytes)
-            rt.staged_params.put(m, "weight", rt.stage_rows(host, list(rows.ids), key="embedding"))
-            # padding_idx indexes the full table (it only masks gradients): F.embedding rejects it when it is
-            # beyond the staged rows, so it is lifted while the staged table is in place.
-            m.padding_idx = None
-            return (local, *args[1:])
-
-        def post(m, args, output):
-            set_tensor(m, "weight", host)
-            m.padding_idx = padding
-
-        rt.handles.append(mod.register_forward_pre_hook(pre))
-        rt.handles.append(mod.register_forward_hook(post))
+        host = mod.weight
+        rt.hook_staged_embedding(mod, lambda rows: rt.stage_rows(host, rows, key="embedding"), rt.counter,
+                                 host[0].numel() * host.element_size())
 
     def hook_dense(self, rt, mod_name: str, mod: nn.Module, paths: list[str], nbytes: int) -> None:
         if self.ring is None:

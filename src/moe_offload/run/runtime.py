@@ -111,6 +111,7 @@ class Runtime(RunState):
         self.plan = plan                     # the plan applied, for audits after transforms
         # The plan's accounting (planning/accounting.py): what a staged layer step charges, as replay counts it.
         self.token_bytes = plan.token_bytes() if plan is not None else None
+        self._expert_bytes_of: dict[int, torch.Tensor] = {}   # layer -> TokenBytes.expert_host row, on the device
         # name -> layout (resident stack, host ids) of routed-expert tensors split between tiers by expert
         self.splits = dict(splits or {})
 
@@ -223,11 +224,10 @@ class Runtime(RunState):
 
     def _expert_bytes(self, layer: int) -> torch.Tensor:
         """[E] int64 on the device: each expert's host-tier bytes in routed layer `layer` (TokenBytes.expert_host)."""
-        cached = self.__dict__.setdefault("_expert_bytes_of", {})
-        if layer not in cached:
+        if layer not in self._expert_bytes_of:
             tb = self.token_bytes
-            cached[layer] = torch.tensor(tb.expert_host[tb.layers.index(layer)], device=self.device)
-        return cached[layer]
+            self._expert_bytes_of[layer] = torch.tensor(tb.expert_host[tb.layers.index(layer)], device=self.device)
+        return self._expert_bytes_of[layer]
 
     def close(self) -> None:
         """Stop every worker (look-ahead reads and copies, disk reads), remove every hook, drop the caches and

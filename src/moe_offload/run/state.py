@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn as nn
 
 from .compute import ExpertsCompute, ExpertsMode
 from ..planning.placement import Tier
-from ..storage.host import ExpertSplit, StagedParameters
+from ..storage.host import ExpertSplit, StagedParameters, row_runs, set_tensor
 
 
 class LinkCounter:
@@ -151,23 +152,54 @@ class RunState:
             self._staging[key] = buf
         return buf[:need].view(shape)
 
+    def hook_staged_embedding(self, mod: nn.Embedding, stage: Callable[[list[int]], torch.Tensor], counter: LinkCounter,
+                              row_bytes: int) -> None:
+        """Hooks on an embedding whose offloaded table is staged by rows for each call: the call's distinct ids are
+        read to the host once, their rows staged (`stage(rows)` -> [len(rows), dim] on the device, in that order)
+        and charged to `counter`, and the ids renumbered onto them; the table the model held is put back after."""
+        home, padding = mod.weight, mod.padding_idx
+
+        def pre(m, args):
+            rows, local = Selected.of(args[0])
+            counter.add(len(rows.ids) * row_bytes)
+            self.staged_params.put(m, "weight", stage(list(rows.ids)))
+            # padding_idx indexes the full table (it only masks gradients): F.embedding rejects it when it is
+            # beyond the staged rows, so it is lifted while the staged table is in place.
+            m.padding_idx = None
+            return (local, *args[1:])
+
+        def post(m, args, output):
+            set_tensor(m, "weight", home)
+            m.padding_idx = padding
+
+        self.handles.append(mod.register_forward_pre_hook(pre))
+        self.handles.append(mod.register_forward_hook(post))
+
     def stage_split(self, split: ExpertSplit, host: torch.Tensor, selected: "Selected", *, key: str,
                     layer: int | None = None) -> torch.Tensor:
         """Gather the `selected` experts of a split tensor, in that order: those of the resident stack by a
         device-local gather (no link bytes), those of the host stack `host` over the link (or from the look-ahead's
         rows of `layer`). Where each lies is looked up on the host (split.where): no device round trip."""
         out = self.rows_buffer(key, host, len(selected.ids))
-        places = [split.where(e) for e in selected.ids]
-        here = [i for i, (tier, _) in enumerate(places) if tier != Tier.HOST]
-        there = [i for i, (tier, _) in enumerate(places) if tier == Tier.HOST]
-        if here:
-            dev = out.device
-            out.index_copy_(0, _index(here, dev), split.resident.index_select(0, _index([places[i][1] for i in here],
-                                                                                         dev)))
+        there, rows = self.gather_resident(split, selected.ids, out)
         if there:
-            self.copy_expert_rows(host, [places[i][1] for i in there], out, there, layer=layer, name=key,
+            self.copy_expert_rows(host, rows, out, there, layer=layer, name=key,
                                   experts=[selected.ids[i] for i in there])
         return out
+
+    @staticmethod
+    def gather_resident(split: ExpertSplit, ids: tuple[int, ...] | list[int], out: torch.Tensor
+                        ) -> tuple[list[int], list[int]]:
+        """out[i] = the resident stack's row of ids[i], for the ids the resident stack holds (a device-local gather);
+        returns the positions of the others and their rows in the other stack (the host's, or for a disk-tier split
+        the disk's), for the caller to fill."""
+        places = [split.where(e) for e in ids]
+        here = [i for i, (tier, _) in enumerate(places) if tier != Tier.HOST]
+        if here:
+            out.index_copy_(0, index_tensor(here, out.device),
+                            split.resident.index_select(0, index_tensor([places[i][1] for i in here], out.device)))
+        there = [i for i, (tier, _) in enumerate(places) if tier == Tier.HOST]
+        return there, [places[i][1] for i in there]
 
     def stage_rows(self, host: torch.Tensor, rows: list[int], *, key: str, layer: int | None = None
                    ) -> torch.Tensor:
@@ -192,8 +224,8 @@ class RunState:
         pos = list(range(len(experts))) if positions is None else positions
         mine = [i for i, e in enumerate(experts) if e in slots]
         rest = [i for i, e in enumerate(experts) if e not in slots]
-        out.index_copy_(0, _index([pos[i] for i in mine], out.device),
-                        buf.index_select(0, _index([slots[experts[i]] for i in mine], buf.device)))
+        out.index_copy_(0, index_tensor([pos[i] for i in mine], out.device),
+                        buf.index_select(0, index_tensor([slots[experts[i]] for i in mine], buf.device)))
         if rest:
             self.copy_rows(host, [rows[i] for i in rest], out, [pos[i] for i in rest])
 
@@ -206,11 +238,11 @@ class RunState:
         that reads the host rows in place. Pinned host memory seen from an accelerator (prefetch): one
         asynchronous DMA per run of consecutive rows landing in consecutive positions, no pageable temporary."""
         if host.device == self.device:
-            index = _index(rows, host.device)
+            index = index_tensor(rows, host.device)
             if positions is None:
                 torch.index_select(host, 0, index, out=out[:len(rows)])
             else:
-                out.index_copy_(0, _index(positions, out.device), host.index_select(0, index))
+                out.index_copy_(0, index_tensor(positions, out.device), host.index_select(0, index))
             return
         pos = range(len(rows)) if positions is None else positions
         for p, r, n in row_runs(list(pos), rows):
@@ -234,34 +266,25 @@ class Selected:
     @classmethod
     def of_ids(cls, ids: list[int], device) -> "Selected":
         """A selection from host ids, ascending."""
-        return cls(tuple(ids), _index(list(ids), device))
+        return cls(tuple(ids), index_tensor(list(ids), device))
+
+
+def present(index: torch.Tensor, size: int) -> torch.Tensor:
+    """[size] bool on `index`'s device: which values in [0, size) `index` holds (no read back)."""
+    return torch.zeros(size, dtype=torch.bool, device=index.device).index_fill_(0, index.reshape(-1).long(), True)
 
 
 def distinct(index: torch.Tensor, size: int) -> torch.Tensor:
-    """How many distinct values in [0, size) `index` holds, as a 0-dim int64 tensor on its device (no read back)."""
-    present = torch.zeros(size, dtype=torch.bool, device=index.device)
-    return present.index_fill_(0, index.reshape(-1).long(), True).sum()
+    """How many distinct values in [0, size) `index` holds, as a 0-dim int64 tensor on its device."""
+    return present(index, size).sum()
 
 
 def picked_bytes(index: torch.Tensor, expert_bytes: torch.Tensor) -> torch.Tensor:
     """The bytes of the distinct experts `index` picks, each counted once (expert_bytes [E] int64 per expert), as a
-    0-dim tensor on the device (no read back)."""
-    present = torch.zeros(expert_bytes.shape[0], dtype=torch.bool, device=index.device)
-    present.index_fill_(0, index.reshape(-1).long(), True)
-    return (expert_bytes * present).sum()
+    0-dim tensor on the device."""
+    return (expert_bytes * present(index, expert_bytes.shape[0])).sum()
 
 
-def row_runs(positions: list[int], rows: list[int]) -> list[tuple[int, int, int]]:
-    """(first position, first row, count) of each run where both positions and rows go up by one: one copy each."""
-    runs: list[tuple[int, int, int]] = []
-    for p, r in zip(positions, rows):
-        if runs and runs[-1][0] + runs[-1][2] == p and runs[-1][1] + runs[-1][2] == r:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((p, r, 1))
-    return runs
-
-
-def _index(values: list[int], device) -> torch.Tensor:
+def index_tensor(values: list[int], device) -> torch.Tensor:
     """An int64 index tensor on `device` from a host list (a host-to-device copy: nothing waits on the device)."""
     return torch.tensor(values, dtype=torch.long, device=device)

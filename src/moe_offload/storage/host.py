@@ -147,12 +147,17 @@ class ExpertSplit:
 def expert_runs(ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
     """(first row, first expert, count) of each run of consecutive expert ids: a stack's rows are filled
     from a tensor that spans every expert by one slice copy per run (one for a whole tensor)."""
+    return row_runs(list(range(len(ids))), list(ids))
+
+
+def row_runs(positions: list[int], rows: list[int]) -> list[tuple[int, int, int]]:
+    """(first position, first row, count) of each run where both positions and rows go up by one: one copy each."""
     runs: list[tuple[int, int, int]] = []
-    for row, e in enumerate(ids):
-        if runs and runs[-1][1] + runs[-1][2] == e:
+    for p, r in zip(positions, rows):
+        if runs and runs[-1][0] + runs[-1][2] == p and runs[-1][1] + runs[-1][2] == r:
             runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
         else:
-            runs.append((row, e, 1))
+            runs.append((p, r, 1))
     return runs
 
 
