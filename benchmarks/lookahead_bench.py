@@ -132,7 +132,7 @@ def analysis(res: dict, d: dict) -> list[str]:
            "Tokens compared: each step's argmax against the resident model's. Each arm is a fresh process in its own "
            f"memory cgroup; rounds: {cfg['rounds']} (arms interleaved; each row is the arm's fastest round, the others "
            "in the JSON: this 2-core machine is shared). ms/token is the mean over the decode steps (the caches "
-           "start cold). Expert staging = time in DiskTier.stage_experts (reads, host-cache copies, look-ahead takes: "
+           "start cold). Expert staging = time in the read plans' executor (read_executor.execute: reads, host-cache copies, look-ahead waits; DiskTier.stage_experts in runs made before the read plan; "
            "wrapped in the child only); disk floor = /proc/self/io read bytes per token over the disk's random-read "
            "bandwidth (which drifts by up to ~25% between the measurements before and after the arms on this shared disk: "
            "a floor is good to about that); compute floor = the resident model's ms/token.", ""]

@@ -263,7 +263,7 @@ def child(spec: dict) -> dict:
     from moe_offload.measure.timing import _forward_keywords, peak_rss_bytes, reset_peak_rss
     from moe_offload.run.host_cache import host_cache_stats
     from moe_offload.run.lookahead import lookahead_stats
-    from moe_offload.run import disk_tier, lookahead
+    from moe_offload.run import experts, lookahead
     import transformers  # noqa: F401  (imported before the peak is reset)
 
     # Where a step's time goes (wrapped here, in this process only): the critical path's expert staging (reads,
@@ -281,8 +281,8 @@ def child(spec: dict) -> dict:
                 timers[key] += time.perf_counter() - t
         setattr(cls, name, wrapper)
 
-    timed(disk_tier.DiskTier, "stage_experts", "stage")
-    timed(lookahead.Lookahead, "take", "take")
+    timed(experts, "execute", "stage")   # the read plans carried out (experts.py calls read_executor.execute)
+    timed(lookahead.AheadRows, "wait", "take")
     folder = Path(spec["model"])
     ids = torch.tensor([spec["ids"]])
     reset_peak_rss()

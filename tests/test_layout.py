@@ -211,3 +211,22 @@ def test_the_read_strategy_is_an_object_not_a_string():
                                                      for c in [node.left, *node.comparators]):
                 compared.append(f"{module}:{node.lineno}")
     assert not compared, f"ask the runtime's read strategy (rt.reads) instead: {compared}"
+
+
+def test_the_read_plan_is_the_only_place_that_charges_a_counter():
+    """Bytes are charged from plans (run/read_plan.py: a layer step's StepPlan, WholeRead, LookupRead, InPlaceRead);
+    no other module adds to the link or disk counter, whatever it names it."""
+    charged = []
+    for module, path in MODULES.items():
+        if module == "run.read_plan":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add"):
+                continue
+            target = node.func.value
+            name = target.attr if isinstance(target, ast.Attribute) else target.id if isinstance(target, ast.Name) \
+                else target.func.attr if isinstance(target, ast.Call) and isinstance(target.func, ast.Attribute) \
+                else None
+            if name in ("counter", "disk_counter", "of"):
+                charged.append(f"{module}:{node.lineno}")
+    assert not charged, f"charge through a plan of run/read_plan.py: {charged}"

@@ -178,14 +178,14 @@ def test_capacity_in_bytes_is_exact_and_never_exceeded(models, plans0):
     assert cache.capacity_bytes == capacity and cache.page_bytes == 6144
     assert cache.device_bytes == cache.arena.numel() == 6 * 6144 <= capacity
     seen = []   # after each layer step: (bytes of the pages held, the policy's used bytes)
-    gather = cache.gather
+    decide = cache.decide
 
     def checked(*args):
-        staged = gather(*args)
+        staged = decide(*args)
         seen.append((sum(len(p) for pages in cache._pages.values() for p in pages) * 6144, cache.policy.used_bytes))
         return staged
 
-    cache.gather = checked
+    cache.decide = checked
     run(model, prompt_ids(folder, 8), NEW)
     assert len(seen) == 2 * (NEW - 1) and all(pages == used <= capacity for pages, used in seen)
     assert {used for _, used in seen} >= {18432 + 12288, 2 * 18432}   # full with either mix of sizes

@@ -282,7 +282,7 @@ def test_a_lookahead_read_of_a_truncated_checkpoint_is_raised_where_the_row_is_n
     frames = {(Path(str(e.path)).name, e.name) for e in err.traceback}
     # where the row is needed (take), or, for a wrong guess still being read when the file was cut, where a
     # forward call settles its reads (settle): raised by a forward either way, never swallowed
-    assert {("lookahead.py", "take"), ("lookahead.py", "settle")} & frames, frames
+    assert {("lookahead.py", "wait"), ("lookahead.py", "settle")} & frames, frames
     assert ("lookahead.py", "_read_all") in frames, frames          # the worker's read raised it
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .read_plan import Counter, WholeRead
 from .state import RunState
 from ..storage.host import set_tensor
 
@@ -40,7 +41,7 @@ class DenseRing:
         self.outer: set[int] | None = None      # modules that contain other staged modules (see pre)
 
     def add(self, mod: nn.Module, locals_: list[str], nbytes: int, name: str = "") -> None:
-        self.modules[id(mod)] = (mod, locals_, nbytes)
+        self.modules[id(mod)] = (mod, locals_, WholeRead(Counter.LINK, nbytes))
         aligned = sum(-(-tensor_at(mod, n).numel() * tensor_at(mod, n).element_size() // 16) * 16 for n in locals_)
         self.slot_bytes = max(self.slot_bytes, aligned)
         self.names[id(mod)] = name
@@ -66,8 +67,8 @@ class DenseRing:
         return views
 
     def pre(self, mod, args):
-        _, locals_, nbytes = self.modules[id(mod)]
-        self.rt.counter.add(nbytes)                           # read in full, every call
+        _, locals_, read = self.modules[id(mod)]
+        read.charge(self.rt)                                  # read in full, every call
         if id(mod) not in self.hosts:
             self.hosts[id(mod)] = {n: tensor_at(mod, n) for n in locals_}
         if self.outer is None:

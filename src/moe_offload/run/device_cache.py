@@ -21,17 +21,18 @@ capacity_bytes fits in capacity_bytes // page_bytes pages: no fragmentation, wha
 (tensors split between tiers give experts of different sizes). The arena is capacity_bytes rounded down
 to whole pages, and never more than every offloaded expert together; it never exceeds the cache size.
 
-Reads, for one layer step (both backends; the gathered order stays ascending by expert id, so the eager
-loop's arithmetic is the model's own):
+Reads, for one layer step (both backends; decided by `decide`, pages.PagedCache's, in the layer step's read
+plan, read_plan.py, and copied by its executor, read_executor.py; the gathered order stays ascending by expert id,
+so the eager loop's arithmetic is the model's own):
     resident stack (a split tensor's device experts)  device-local gather, no link bytes
     hit                                               device-local gather from its pages, no link bytes
     miss                                              read from the host over the link (the counted bytes), or
                                                       taken from the rows the look-ahead copied ahead (lookahead.py);
                                                       when the policy admits it, its row is then copied from
                                                       the staged buffer into its pages (device-local)
-    miss of a disk-tier tensor's expert               read below the cache as without it (disk_tier.py: the host
-                                                      cache, the look-ahead's rows, or the checkpoint, counted
-                                                      there), then admitted the same way
+    miss of a disk-tier tensor's expert               read below the cache as without it (the host cache, the
+                                                      look-ahead's rows, or the checkpoint), then admitted the
+                                                      same way
 
 The cache holds offloaded experts of both tiers (host and disk): a policy's nbytes is the expert's bytes over
 every offloaded tensor of its layer, as replay's device level counts them.
@@ -52,7 +53,7 @@ from ..planning.placement import GiB, format_bytes
 
 from .experts import ExpertsState
 from .pages import PagedCache
-from .state import RunState, Selected, index_tensor
+
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -122,6 +123,9 @@ class _Layer:
     resident_row: tuple[tuple[int | None, ...], ...]  # per tensor, per expert: its row in the resident stack or None
     nbytes: tuple[int, ...]                 # per expert: offloaded bytes over every tensor (0: resident in all)
 
+    def row_bytes_of(self, expert: int) -> list[int]:
+        return [b if rows[expert] is not None else 0 for b, rows in zip(self.row_bytes, self.host_row)]
+
 
 def _layout(module: str, state: ExpertsState) -> _Layer:
     names, disk, row_bytes, host_rows, resident_rows = [], [], [], [], []
@@ -187,9 +191,6 @@ class DeviceCache(PagedCache):
         return self.pages.nbytes
 
     # --- contents ----------------------------------------------------------------------------
-    def _claim(self, key: Key, lay: _Layer, expert: int) -> None:
-        self.pages.claim(key, [b if rows[expert] is not None else 0 for b, rows in zip(lay.row_bytes, lay.host_row)])
-
     def invalidate(self, names: Iterable[str] | None = None) -> list[Key]:
         """Drop the cached copies of experts of these tensors (dotted names; None: all); returns the keys dropped."""
         if names is None:
@@ -217,97 +218,6 @@ class DeviceCache(PagedCache):
                 "cache_misses": self.policy.misses, "cache_evictions": self.policy.evictions,
                 "cache_declined": self.policy.declined, "cache_device_bytes": self.device_bytes,
                 "cache_page_bytes": self.page_bytes}
-
-    # --- one layer step ----------------------------------------------------------------------
-    def gather(self, rt: RunState, state: ExpertsState, selected: Selected
-               ) -> tuple[dict[str, torch.Tensor], tuple[list[int], list[int]]]:
-        """The `selected` experts (ascending ids) of every offloaded tensor of `state`, gathered in that order into
-        the runtime's reused buffers: (local name -> [U, ...], (the experts the cache held, the misses' experts the
-        host cache served)), the two lists the step is charged by (ExpertsState.charge)."""
-        lay = self._layers[state.layer]
-        ids = list(selected.ids)
-        # The policy decides first, expert by expert in ascending id order (replay's order).
-        hit, admitted = [False] * len(ids), [False] * len(ids)
-        policy = self.policy
-        for i, e in enumerate(ids):
-            nbytes = lay.nbytes[e]
-            if not nbytes:
-                continue
-            key = (lay.layer, e)
-            hit[i] = policy.access(key, nbytes)
-            for victim in policy.last_evicted:   # never of this layer step: the policy protects the step's experts
-                self.pages.release(victim)
-            if not hit[i] and key in policy:
-                self._claim(key, lay, e)
-                admitted[i] = True
-        dev, page, layer = rt.device, self.page_bytes, lay.layer
-        disk_rows, disk_reads, served = self._disk_misses(rt, state, lay, ids, hit) if any(lay.on_disk) \
-            else ({}, [], [])
-        staged = {}
-        for t, name in enumerate(lay.names):
-            host = disk_rows[name] if lay.on_disk[t] else state.offloaded[name]
-            out = rt.rows_buffer(name, host, len(ids))
-            k = lay.row_bytes[t] // page if page else 0   # pages per row
-            host_row, resident_row = lay.host_row[t], lay.resident_row[t]
-            resident_pos, resident_rows, link_pos, link_rows = [], [], [], []
-            cached_rows, cached_pages, admit_rows, admit_pages = [], [], [], []
-            for i, e in enumerate(ids):
-                if host_row[e] is None:
-                    resident_pos.append(i)
-                    resident_rows.append(resident_row[e])
-                elif hit[i]:
-                    cached_rows.extend(range(i * k, i * k + k))
-                    cached_pages.extend(self._pages[(layer, e)][t])
-                else:
-                    link_pos.append(i)
-                    link_rows.append(host_row[e])
-                    if admitted[i]:
-                        admit_rows.extend(range(i * k, i * k + k))
-                        admit_pages.extend(self._pages[(layer, e)][t])
-            if resident_pos:
-                resident = state.split[name].resident
-                out.index_copy_(0, index_tensor(resident_pos, dev), resident.index_select(0, index_tensor(resident_rows, dev)))
-            if link_pos and lay.on_disk[t]:   # read already (host cache, look-ahead or disk; counted there)
-                out.index_copy_(0, index_tensor(link_pos, dev), host)
-            elif link_pos:                                          # only misses cross the link
-                rt.copy_expert_rows(host, link_rows, out, link_pos, layer=layer, name=name,
-                                    experts=[ids[i] for i in link_pos])   # or the look-ahead's rows
-            if cached_rows or admit_rows:
-                out_pages = out.view(-1).view(torch.uint8).view(-1, page)   # [U * k, page_bytes]
-                if cached_rows:
-                    out_pages.index_copy_(0, index_tensor(cached_rows, dev),
-                                          self.arena.index_select(0, index_tensor(cached_pages, dev)))
-                if admit_rows:   # after the link copy landed in `out` (same stream): out -> its pages
-                    self.arena.index_copy_(0, index_tensor(admit_pages, dev),
-                                           out_pages.index_select(0, index_tensor(admit_rows, dev)))
-            staged[name] = out
-        if rt.lookahead is not None and rt.decode_step:   # what the guesses saved: the misses read from below
-            host_reads = state.host_reads([e for i, e in enumerate(ids) if not hit[i]])
-            rt.lookahead.end_layer(layer, sorted(set(host_reads) | set(disk_reads)))
-        return staged, ([e for i, e in enumerate(ids) if hit[i]], served)
-
-
-    def _disk_misses(self, rt: RunState, state: ExpertsState, lay: _Layer, ids: list[int], hit: list[bool]
-                     ) -> tuple[dict[str, torch.Tensor], list[int], list[int]]:
-        """The disk-tier tensors' rows of this step's device-cache misses, in ascending id order: local name ->
-        [misses on disk in that tensor, ...], and the misses read from disk. Read below the device cache as without
-        it: from the host cache where it holds them, else from the checkpoint (or the rows the look-ahead read);
-        with the misses the host cache served."""
-        miss = state.disk_reads([e for i, e in enumerate(ids) if not hit[i]])
-        hc = rt.host_cache if rt.host_cache_step and rt.host_cache.serves(lay.layer) else None
-        decision = hc.decide(lay.layer, miss) if hc is not None else None
-        rows = {}
-        for t, name in enumerate(lay.names):
-            if not lay.on_disk[t]:
-                continue
-            mine = Selected.of_ids([e for e in miss if lay.host_row[t][e] is not None], rt.device)
-            ti = hc.tensor_index(lay.layer, name) if decision is not None else None
-            rows[name] = rt.disk.stage_experts(rt, state.disk[name], mine, None, key=f"{name}:cache-miss",
-                                               cached=None if ti is None else (hc, decision, ti), layer=lay.layer,
-                                               lookahead_key=name)
-        served = [e for e in miss if decision is not None and decision.hit.get(e, False)]   # by the host cache
-        return rows, state.disk_reads(miss, decision), served
-
 
 def cache_stats(cache: DeviceCache | None) -> dict:
     """The cache's counts for reports (generate --json, bench rows); without a cache: no policy, all zeros."""

@@ -36,13 +36,13 @@ from ..storage.disk_prefetch import DensePrefetcher
 from ..errors import CheckpointError, MoeOffloadError
 from ..model.inventory import layer_prefix
 from ..formats.layouts import Slot
-from .state import RunState, Selected, index_tensor
+from .read_plan import Counter, LookupRead, WholeRead
+from .state import RunState
 from ..planning.placement import Tier
 from ..storage.host import HostArena, set_tensor
 
 if TYPE_CHECKING:
     from ..planning.placement import Plan
-    from ..storage.host import ExpertSplit
 
 
 # Selected experts' reads issued at once (one per expert and file): a disk serves a few requests in flight faster
@@ -143,69 +143,8 @@ class DiskTier:
         if self._arena is not None:
             self._arena.release()
 
-    # --- experts --------------------------------------------------------------------------
-    def stage_experts(self, rt: RunState, src: DiskTensor, selected: Selected, split: "ExpertSplit | None",
-                      *, key: str, cached=None, layer: int | None = None,
-                      lookahead_key: str | None = None) -> torch.Tensor:
-        """The `selected` experts (ascending ids) of `src`, in that order, in a reused device buffer [U, ...]:
-        those on disk read from the checkpoint (or, `cached` = (host_cache.HostCache, its Decision for this layer
-        step, this tensor's index), from host memory where the host cache holds them; or taken from the rows the
-        runtime's look-ahead read for `layer`), a split tensor's resident ones by a device-local gather. Which
-        expert lies where is looked up on the host (the selection's ids, split.where): no device round trip."""
-        ids = list(selected.ids)
-        out = rt.buffer(("rows", key, src.shape[1:], src.dtype), (len(ids), *src.shape[1:]), src.dtype)
-        la_key = lookahead_key or key
-        if split is None:
-            self._fetch(rt, src, ids, out, key, cached, layer, la_key)
-            return out
-        there, _ = rt.gather_resident(split, ids, out)          # "host": on disk, for a disk-tier split
-        on_disk = [ids[i] for i in there]
-        if on_disk and out.device.type == "cpu":                # read straight into their rows of `out`
-            self._fetch(rt, src, on_disk, out, key, cached, layer, la_key, positions=there)
-        elif on_disk:
-            tmp = rt.buffer(("disk-rows", key, src.shape[1:], src.dtype), (len(on_disk), *src.shape[1:]), src.dtype)
-            self._fetch(rt, src, on_disk, tmp, key, cached, layer, la_key)
-            out.index_copy_(0, index_tensor(there, out.device), tmp)
-        return out
-
-    def _fetch(self, rt: RunState, src: DiskTensor, ids: list[int], dest: torch.Tensor, key: str, cached,
-               layer: int | None, la_key: str, positions: list[int] | None = None) -> None:
-        """dest[positions[j]] (positions: 0, 1, ... when not given; given only for a cpu `dest`) = expert ids[j]'s
-        row: from the host cache where it holds it, else from the checkpoint (read ahead by the look-ahead, or now,
-        straight into its row), an admitted one then copied into its pages. The bytes are charged by the layer step
-        (ExpertsState.charge), not here."""
-        pos = list(range(len(ids))) if positions is None else positions
-        hit = cached[1].hit if cached is not None else {}
-        la = rt.lookahead if rt.decode_step and layer is not None else None
-        ahead = {}
-        if la is not None:
-            for e in ids:
-                row = None if hit.get(e, False) else la.take(layer, la_key, e)
-                if row is not None:
-                    ahead[e] = row
-        if cached is None and not ahead:
-            if positions is None:
-                self._read_rows(src, ids, dest, key)
-            else:
-                self._read_into(src, ids, dest, pos)
-            return
-        rows = dest if dest.device.type == "cpu" else torch.empty(tuple(dest.shape), dtype=dest.dtype)
-        miss = [j for j, e in enumerate(ids) if not hit.get(e, False) and e not in ahead]
-        if miss:                                                # read now, each straight into its row
-            self._read_into(src, [ids[j] for j in miss], rows, [pos[j] for j in miss])
-        for j, e in enumerate(ids):
-            row = rows[pos[j]]
-            if hit.get(e, False):
-                cached[0].read(cached[1], cached[2], e, row)
-                continue
-            if e in ahead:
-                row.copy_(ahead[e])
-            if cached is not None and e in cached[1].pages:   # admitted by the policy: into the pages it claimed
-                cached[0].store(cached[1], cached[2], e, row)
-        if rows is not dest:
-            dest.copy_(rows)
-
-    def _read_into(self, src: DiskTensor, ids: list[int], rows: torch.Tensor, positions: list[int]) -> None:
+    # --- experts: the read plan's executor (read_executor.py) lands their rows with these ------------------
+    def read_into(self, src: DiskTensor, ids: list[int], rows: torch.Tensor, positions: list[int]) -> None:
         """rows[positions[j]] = expert ids[j]'s row, read from the checkpoint straight into place (`rows` on the cpu):
         one read of a run of consecutive positions, else one per expert, READS_IN_FLIGHT at once."""
         first = positions[0]
@@ -221,12 +160,13 @@ class DiskTier:
             return
         # Expert tensors: pinned staging for all E experts, reused. A lookup table's rows (as many as the call's
         # distinct tokens, of a table far larger) go through a temporary of their own size instead.
-        stage = self._pinned(key, src)[:len(ids)] if src.experts is not None else \
+        stage = self.staging(key, src)[:len(ids)] if src.experts is not None else \
             torch.empty((len(ids), *src.shape[1:]), dtype=src.dtype)
         src.read_rows(ids, stage, self._pool)
         out.copy_(stage)        # synchronous: the staging buffer is reused by the next read
 
-    def _pinned(self, key: str, src: DiskTensor) -> torch.Tensor:
+    def staging(self, key: str, src: DiskTensor) -> torch.Tensor:
+        """The pinned host buffer [E, ...] an expert tensor's rows land in before their copy to the device (reused)."""
         k = ("pinned", key, src.shape[1:], src.dtype)
         buf = self._staging.get(k)
         if buf is None:
@@ -273,11 +213,11 @@ class DiskTier:
 
     def _hook_group(self, rt: RunState, mod: nn.Module, members: list[tuple[str, DiskTensor]],
                     index: int | None) -> None:
-        nbytes = sum(s.nbytes for _, s in members)
+        read = WholeRead(Counter.DISK, sum(s.nbytes for _, s in members))
         placeholders = [(rel, _get(mod, rel)) for rel, _ in members]
 
         def pre(m, args):
-            rt.disk_counter.add(nbytes)                          # dense: read in full, every call
+            read.charge(rt)                                      # dense: read in full, every call
             if index is not None:
                 views = self.prefetcher.get(index)
                 live = [views[s.pieces[0][1].key] for _, s in members]
@@ -302,7 +242,7 @@ class DiskTier:
             self._read_rows(src, rows, out, "disk-embedding")
             return out
 
-        rt.hook_staged_embedding(mod, stage, rt.disk_counter, src.row_bytes)
+        rt.hook_staged_embedding(mod, stage, LookupRead(Counter.DISK, src.row_bytes))
 
 
 def placeholder(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

@@ -14,7 +14,9 @@ For a module with offloaded experts only the experts the router selected are rea
 - otherwise (prefetch, or any tensor split between tiers): the U selected experts are
   gathered, in ascending expert order, into reused buffers, each from the stack that holds
   it (a split tensor's resident stack on the device, its host stack over the link), and the
-  routing is renumbered 0..U-1. The eager loop then visits the same experts in the same
+  routing is renumbered 0..U-1. Where each selected expert of each tensor comes from, and the
+  counter it charges, is the layer step's read plan (read_plan.py), charged once and carried out
+  by one executor (read_executor.py). The eager loop then visits the same experts in the same
   order with the same values: bit-identical arithmetic, whatever subset lies on the host.
 
 A module whose experts are held quantized (FP8, MXFP4: quant_weights.py) always takes the gathering
@@ -43,6 +45,8 @@ import torch
 import torch.nn as nn
 
 from .grouped import original_forward
+from .read_executor import execute
+from .read_plan import InPlaceRead, plan_step
 from .state import RunState, Selected
 from ..storage.host import ExpertSplit
 
@@ -117,39 +121,11 @@ class ExpertsState:
                 and not ahead:
             # In place: the kernels index each selected expert of the host view; the distinct experts are
             # counted on the device at the end of the forward call (no read back during the step).
-            rt.routes.append((top_k_index.detach(), self.layer))
+            rt.routes.append(InPlaceRead(self.layer, top_k_index.detach()))
             return rt.compute(module, {}, hidden_states, top_k_index, top_k_weights, decode=decode, quant=quant)
         staged, local, count = self.gather(module, top_k_index, cached, dequantize=not fused)
         view = _StagedExperts(module, staged, count)
         return rt.compute(module, staged, hidden_states, local, top_k_weights, view=view, decode=decode, quant=quant)
-
-    def charge(self, ids: list[int], device_hits=(), host_hits=()) -> None:
-        """Charge this layer step's reads, once, from the plan's accounting (TokenBytes.step_bytes): every selected
-        expert's offloaded bytes from its tier, nothing for a device-cache hit, a host-cache hit's disk bytes from
-        host memory. Where the bytes then come from (the look-ahead's rows included) does not change the count."""
-        rt = self.runtime
-        host, disk = rt.token_bytes.step_bytes(self.layer, ids, device_hits, host_hits)
-        rt.counter.add(host)
-        rt.disk_counter.add(disk)
-
-    def disk_reads(self, ids: list[int], decision=None) -> list[int]:
-        """Of `ids`, the experts read from the disk tier in this layer step: on disk in some tensor, not served by
-        the host cache (`decision`: its host_cache.Decision, or None)."""
-        on_disk = set()
-        for name in self.disk:
-            split = self.split.get(name)
-            on_disk |= set(split.host_ids) if split is not None else set(ids)
-        hit = decision.hit if decision is not None else {}
-        return [e for e in ids if e in on_disk and not hit.get(e, False)]
-
-    def host_reads(self, ids: list[int]) -> list[int]:
-        """Of `ids`, the experts with a row on the host tier in some tensor (read over the host link unless a device
-        cache holds them)."""
-        on_host = set()
-        for name in self.offloaded:
-            split = self.split.get(name)
-            on_host |= set(split.host_ids) if split is not None else set(ids)
-        return [e for e in ids if e in on_host]
 
     @torch.compiler.disable
     def gather(self, module, top_k_index, cached: bool, dequantize: bool = True):
@@ -160,37 +136,14 @@ class ExpertsState:
         rt = self.runtime
         # The eager loop then visits them in the same ascending order, with the same values (bit-identical
         # arithmetic); the grouped kernels index the gathered stack with the renumbered ids. The selected ids are
-        # read to the host once (Selected.of): every decision below is made on that list.
+        # read to the host once (Selected.of): the read plan is made on that list (read_plan.py), charged once, and
+        # carried out by one executor (read_executor.py).
         selected, local = Selected.of(top_k_index)
-        ids = list(selected.ids)
-        la = rt.lookahead if rt.lookahead is not None and rt.decode_step else None
-        if la is not None and la.serves(self.layer):             # the guesses not picked are dropped first
-            la.routed(self.layer, ids)
-        # Through the device cache, every offloaded expert tensor (host and disk tier: device_cache.py reads the disk
-        # ones' misses below it); else disk-tier experts from the host cache (host_cache.py) or the checkpoint.
-        staged, hits = rt.cache.gather(rt, self, selected) if cached else ({}, ((), ()))
-        hc = rt.host_cache if rt.host_cache_step and self.disk and not cached else None
-        decision = hc.decide(self.layer, ids) if hc is not None and hc.serves(self.layer) else None
-        if decision is not None:
-            hits = ((), [e for e in ids if decision.hit.get(e, False)])
-        self.charge(ids, *hits)
-        for name, src in self.disk.items():                     # read from the checkpoint (disk_tier.py)
-            if name in staged:                                  # through the device cache
-                continue
-            t = hc.tensor_index(self.layer, name) if decision is not None else None
-            staged[name] = rt.disk.stage_experts(rt, src, selected, self.split.get(name), key=name,
-                                                 cached=None if t is None else (hc, decision, t), layer=self.layer)
-        for name, t in self.offloaded.items():
-            if name in staged:                                  # gathered through the device cache
-                continue
-            split = self.split.get(name)
-            if split is None:
-                staged[name] = rt.stage_rows(t, ids, key=name, layer=self.layer)
-            else:
-                staged[name] = rt.stage_split(split, t, selected, key=name, layer=self.layer)
-        if la is not None and not cached and (self.disk or self.offloaded):
-            # what the guesses saved (the device cache counts its own misses)
-            la.end_layer(self.layer, sorted(set(self.disk_reads(ids, decision)) | set(self.host_reads(ids))))
+        plan = plan_step(rt, self, selected, cached)
+        plan.charge(rt)
+        staged = execute(rt, self, plan)
+        if rt.lookahead is not None and rt.decode_step and (self.disk or self.offloaded):
+            rt.lookahead.end_layer(self.layer, plan.below())     # what the guesses saved
         if self.quant and dequantize:   # the gathered stored bytes -> the compute dtype (quant_weights.py)
             rt.dequantizer.selected_experts(module, self.quant, staged, selected.index)
         elif self.quant:                # kept as stored: the resident ones' rows (and scales) renumbered too
@@ -199,4 +152,4 @@ class ExpertsState:
             # Resident per-expert tensors are renumbered too (a device-local gather, no link bytes).
             if name not in staged and p.dim() >= 1 and p.shape[0] == self.num_experts:
                 staged[name] = p.index_select(0, selected.index)
-        return staged, local, len(ids)
+        return staged, local, len(selected.ids)

@@ -11,7 +11,7 @@ Order of accesses, as replay makes them: per decode step, layer by layer, per la
 with disk bytes in ascending id, `policy.access((layer, expert), nbytes)`, nbytes the expert's bytes over
 every disk-tier tensor of its layer.
 
-Reads, for one layer step (disk_tier.DiskTier.stage_experts does the copies):
+Reads, for one layer step (planned by read_plan.py, copied by read_executor.py):
     hit        its rows copied from the cache's pages (host memory): counted as host-link bytes, no disk read
     miss       read from the checkpoint (counted as disk bytes); admitted by the policy, its rows are then
                copied into pages it claimed (victims' pages freed first)
@@ -46,14 +46,8 @@ class _Layer:
     on_disk: tuple[tuple[bool, ...], ...]     # per tensor, per expert: is that expert on disk
     nbytes: tuple[int, ...]                   # per expert: its disk bytes over every tensor of the layer
 
-
-@dataclass(frozen=True)
-class Decision:
-    """What one layer step does with each of its selected disk experts (ascending ids)."""
-
-    layer: int
-    hit: dict[int, bool]          # expert -> read from the cache
-    pages: dict[int, tuple]       # expert -> per tensor, its pages (hits: to read; admitted misses: to fill)
+    def row_bytes_of(self, expert: int) -> list[int]:
+        return [b if d[expert] else 0 for b, d in zip(self.row_bytes, self.on_disk)]
 
 
 class HostCache(PagedCache):
@@ -98,39 +92,17 @@ class HostCache(PagedCache):
                 "host_cache_hits": self.policy.hits, "host_cache_misses": self.policy.misses,
                 "host_cache_evictions": self.policy.evictions, "host_cache_host_bytes": self.host_bytes}
 
-    # --- one layer step ----------------------------------------------------------------------
-    def decide(self, layer: int, ids: list[int]) -> Decision:
-        """The policy's decisions for the selected experts `ids` (ascending) of `layer`, in replay's order."""
-        lay = self._layers[layer]
-        hit, pages = {}, {}
-        for e in ids:
-            nbytes = lay.nbytes[e]
-            if not nbytes:
-                continue
-            key = (layer, e)
-            hit[e] = self.policy.access(key, nbytes)
-            for victim in self.policy.last_evicted:
-                self.pages.release(victim)
-            if not hit[e] and key in self.policy:       # admitted: claim its pages now
-                self.pages.claim(key, [b if d[e] else 0 for b, d in zip(lay.row_bytes, lay.on_disk)])
-            if key in self.pages.held:
-                pages[e] = self.pages.held[key]
-        return Decision(layer, hit, pages)
-
-    def tensor_index(self, layer: int, name: str) -> int | None:
-        lay = self._layers.get(layer)
-        return lay.names.index(name) if lay is not None and name in lay.names else None
-
-    def read(self, decision: Decision, t: int, expert: int, out_row: torch.Tensor) -> None:
-        """out_row (one expert's row of tensor t, contiguous, on the cpu) <- its cached pages."""
+    # --- one layer step: the read plan decides (PagedCache.decide), the executor copies ----------------------
+    def read(self, pages: list[int], out_row: torch.Tensor) -> None:
+        """out_row (one expert's row of one tensor, contiguous, on the cpu) <- its cached pages."""
         row = out_row.view(-1).view(torch.uint8).view(-1, self.page_bytes)
-        for at, first, n in _runs(decision.pages[expert][t]):
+        for at, first, n in _runs(pages):
             row[at:at + n].copy_(self.arena[first:first + n])
 
-    def store(self, decision: Decision, t: int, expert: int, row: torch.Tensor) -> None:
-        """The admitted expert's row of tensor t (contiguous, on the cpu) -> its pages."""
+    def store(self, pages: list[int], row: torch.Tensor) -> None:
+        """An admitted expert's row of one tensor (contiguous, on the cpu) -> its pages."""
         src = row.reshape(-1).view(torch.uint8).view(-1, self.page_bytes)
-        for at, first, n in _runs(decision.pages[expert][t]):
+        for at, first, n in _runs(pages):
             self.arena[first:first + n].copy_(src[at:at + n])
 
 

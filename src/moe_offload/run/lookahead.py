@@ -15,7 +15,7 @@ further away):
 
 When a predicted layer routes, its unpicked guesses are dropped (`routed`): a disk read not yet started is
 cancelled, one under way stops before its next tensor. A picked expert that was predicted is taken from the
-rows read ahead (`take` / `take_host`: the read is done or in flight, the layer waits for that expert only);
+rows read ahead (`rows_ahead`: the read is done or in flight, the layer waits for that expert only);
 an unpredicted one is read then, as without look-ahead. What is computed never changes, only when the bytes are
 read: the tokens are bit-identical, and the caches see the very same accesses (their policies, hits and misses
 are those without look-ahead; replay's figures hold). A predicted expert is never put in a cache ahead of its
@@ -69,12 +69,27 @@ SOURCES = ("output", "attention")
 class _Ahead:
     """What was started for one layer step: rows per expert and tensor, and the jobs filling them."""
 
-    rows: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)   # disk: expert -> local name -> row
+    disk: dict[str, tuple[torch.Tensor, dict[int, int]]] = field(default_factory=dict)
+    #     disk tier: local name -> (host rows [n, ...], expert -> its row)
     jobs: dict[int, Future] = field(default_factory=dict)       # disk: expert -> its read job (bytes read)
     stops: dict[int, threading.Event] = field(default_factory=dict)   # disk: expert -> stop before the next tensor
     host: dict[str, tuple[torch.Tensor, dict[int, int], object]] = field(default_factory=dict)
     #     host tier: local name -> (device rows [n, ...], expert -> its row, the job that fills them)
     used: set = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class AheadRows:
+    """Rows of one tensor started ahead for a layer step: `rows` (host rows of a disk-tier tensor, device rows of a
+    host-tier one), expert -> its row (`slots`), and the jobs that fill them; `wait` before reading them."""
+
+    rows: torch.Tensor
+    slots: dict[int, int]
+    jobs: tuple
+
+    def wait(self) -> None:
+        for job in self.jobs:
+            job.result()      # a disk read's CheckpointError is raised here
 
 
 class _StreamJob:
@@ -187,7 +202,7 @@ class Lookahead:
         ahead = _Ahead()
         self._start_disk(state, ahead, [e for e in ids if e in below and (layer, e) not in held])
         self._start_host(rt, state, ahead, [e for e in ids if e in below])
-        guessed = set(ahead.rows).union(*(slots for _, slots, _ in ahead.host.values()))
+        guessed = set(ahead.jobs).union(*(slots for _, slots, _ in ahead.host.values()))
         self.predicted += len(guessed)
         if guessed:
             self._ahead[layer] = ahead
@@ -200,8 +215,8 @@ class Lookahead:
             rows = [e for e in want if on_disk is None or e in on_disk]
             if rows:
                 buf = torch.empty((len(rows), *src.shape[1:]), dtype=src.dtype)
+                ahead.disk[name] = (buf, {e: j for j, e in enumerate(rows)})
                 for j, e in enumerate(rows):
-                    ahead.rows.setdefault(e, {})[name] = buf[j]
                     reads.setdefault(e, []).append((src, e, buf[j:j + 1]))
         for e in want:                 # the predictor's order: the likeliest expert is read first
             if e in reads:
@@ -241,31 +256,27 @@ class Lookahead:
                 ahead.stops[e].set()
                 job.cancel()
 
-    def take(self, layer: int, name: str, expert: int) -> torch.Tensor | None:
-        """The disk row of `expert` in tensor `name` read ahead for this layer step, or None (read it now)."""
+    def rows_ahead(self, layer: int, name: str, experts: list[int]) -> AheadRows | None:
+        """The rows of tensor `name` started ahead for this layer step, for those of `experts` among them, or None when
+        none was (read them now). Nothing waits here: the reader waits (`AheadRows.wait`) for these experts' jobs
+        only, right before it copies them. They count as used (look-ahead hits)."""
         self._started(layer)
         ahead = self._ahead.get(layer)
-        if ahead is None or expert not in ahead.jobs or name not in ahead.rows[expert]:
+        if ahead is None:
             return None
-        ahead.jobs[expert].result()      # this expert's read only; its CheckpointError is raised here
-        ahead.used.add(expert)
-        return ahead.rows[expert][name]
-
-    def take_host(self, layer: int, name: str, experts: list[int]) -> tuple[torch.Tensor, dict[int, int]] | None:
-        """(the device rows of host tensor `name` copied ahead for this layer step, expert -> its row) for those of
-        `experts` among them, waited for; None when none of them was copied ahead (copy them now)."""
-        self._started(layer)
-        ahead = self._ahead.get(layer)
-        entry = ahead.host.get(name) if ahead is not None else None
-        if entry is None:
+        if name in ahead.host:
+            buf, slots, job = ahead.host[name]
+            jobs = lambda mine: (job,)
+        elif name in ahead.disk:
+            buf, slots = ahead.disk[name]
+            jobs = lambda mine: tuple(ahead.jobs[e] for e in mine)
+        else:
             return None
-        buf, slots, job = entry
         mine = {e: slots[e] for e in experts if e in slots}
         if not mine:
             return None
-        job.result()
         ahead.used.update(mine)
-        return buf, mine
+        return AheadRows(buf, mine, jobs(mine))
 
     def end_layer(self, layer: int, needed: list[int]) -> None:
         """Layer step `layer` read `needed` from below the device (host link or disk; not from the device cache,
@@ -335,7 +346,7 @@ def _unpicked(ahead: _Ahead, every: bool = False) -> list[tuple[object, int]]:
     """The jobs of guesses this layer step did not use, each with the bytes it would read (`every`: the layer never
     routed, so every job is unused)."""
     used = set() if every else ahead.used
-    out = [(job, sum(r.numel() * r.element_size() for r in ahead.rows[e].values()))
+    out = [(job, sum(_row_bytes(buf) for buf, slots in ahead.disk.values() if e in slots))
            for e, job in ahead.jobs.items() if e not in used]
     out += [(job, _row_bytes(buf) * sum(1 for e in slots if e not in used)) for buf, slots, job in ahead.host.values()]
     return out

@@ -11,6 +11,7 @@ handed out lowest first and given back in order, so a row's pages are mostly run
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Hashable, Iterable
 
 import torch
@@ -63,6 +64,26 @@ class PagedArena:
             self.free.extend(reversed(pages))   # back in order: the next claim gets them ascending again
 
 
+@dataclass(frozen=True)
+class Decision:
+    """What a cache's policy did with each selected expert of one layer step (ascending ids), in replay's order."""
+
+    layer: int
+    names: tuple[str, ...]        # the layer's cached tensors (local names): the order of each expert's page lists
+    hit: dict[int, bool]          # expert -> the cache holds it (read from its pages); absent: nothing of it cached
+    pages: dict[int, tuple]       # expert -> per tensor, its pages (hits: to read; admitted misses: to fill)
+
+    def held(self, expert: int) -> bool:
+        return self.hit.get(expert, False)
+
+    def admitted(self, expert: int) -> bool:
+        """A miss the policy admitted: its rows go into the pages it claimed once they are read."""
+        return not self.hit.get(expert, False) and expert in self.pages
+
+    def pages_of(self, expert: int, name: str) -> list[int]:
+        return self.pages[expert][self.names.index(name)]
+
+
 class PagedCache:
     """A cache of routed experts in pages carved once, under one cache policy: what the device cache and the host
     cache have in common (each lays out its own layers, `_layers`, and reads and writes its own pages)."""
@@ -98,3 +119,23 @@ class PagedCache:
 
     def contents(self) -> set:
         return set(self.pages.held)
+
+    def decide(self, layer: int, ids: list[int]) -> Decision:
+        """The policy's decisions for the selected experts `ids` (ascending) of `layer`, in replay's order: each with
+        cached bytes is accessed, the victims' pages freed, an admitted one's pages claimed at once. Each cache's
+        layer layout (`_layers`) gives `names`, `nbytes` per expert and `row_bytes_of(expert)` per tensor."""
+        lay = self._layers[layer]
+        hit, pages = {}, {}
+        for e in ids:
+            nbytes = lay.nbytes[e]
+            if not nbytes:
+                continue
+            key = (layer, e)
+            hit[e] = self.policy.access(key, nbytes)
+            for victim in self.policy.last_evicted:   # never of this layer step: the policy protects its experts
+                self.pages.release(victim)
+            if not hit[e] and key in self.policy:       # admitted: claim its pages now
+                self.pages.claim(key, lay.row_bytes_of(e))
+            if key in self.pages.held:
+                pages[e] = self.pages.held[key]
+        return Decision(layer, lay.names, hit, pages)

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from .dense_prefetch import DenseRing
 from .read_backend import ReadBackend
+from .read_plan import Counter, LookupRead
 
 
 class PrefetchReads(ReadBackend):
@@ -28,8 +29,8 @@ class PrefetchReads(ReadBackend):
 
     def hook_embedding(self, rt, mod: nn.Embedding) -> None:
         host = mod.weight
-        rt.hook_staged_embedding(mod, lambda rows: rt.stage_rows(host, rows, key="embedding"), rt.counter,
-                                 host[0].numel() * host.element_size())
+        rt.hook_staged_embedding(mod, lambda rows: rt.stage_rows(host, rows, key="embedding"),
+                                 LookupRead(Counter.LINK, host[0].numel() * host.element_size()))
 
     def hook_dense(self, rt, mod_name: str, mod: nn.Module, paths: list[str], nbytes: int) -> None:
         if self.ring is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from .read_backend import ReadBackend
+from .read_plan import Counter, LookupRead, WholeRead
 from .state import distinct
 
 
@@ -25,12 +26,13 @@ class UvaReads(ReadBackend):
 
     def hook_embedding(self, rt, mod: nn.Embedding) -> None:
         host = mod.weight
-        row_bytes = host[0].numel() * host.element_size()
+        read = LookupRead(Counter.LINK, host[0].numel() * host.element_size())
 
         def pre(m, args):
-            rt.counter.add(distinct(args[0], host.shape[0]) * row_bytes)   # only the distinct rows cross the link
+            read.charge(rt, distinct(args[0], host.shape[0]))   # only the distinct rows cross the link
 
         rt.handles.append(mod.register_forward_pre_hook(pre))
 
     def hook_dense(self, rt, mod_name: str, mod: nn.Module, paths: list[str], nbytes: int) -> None:
-        rt.handles.append(mod.register_forward_pre_hook(lambda m, a: rt.counter.add(nbytes)))
+        read = WholeRead(Counter.LINK, nbytes)
+        rt.handles.append(mod.register_forward_pre_hook(lambda m, a: read.charge(rt)))

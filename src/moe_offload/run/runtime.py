@@ -41,7 +41,7 @@ from .read_uva import UvaReads
 from .experts import EXPERTS_IMPL, ExpertsState, is_experts_module, register_experts_function
 from ..model.inventory import layer_of, layer_prefix
 from .quant_weights import Dequantizer, Reader, byte_split, byte_view, by_module as quant_by_module
-from .state import Recorder, RoutedCall, RunState, picked_bytes
+from .state import Recorder, RoutedCall, RunState
 from ..storage.host import ExpertSplit
 
 if TYPE_CHECKING:
@@ -222,7 +222,7 @@ class Runtime(RunState):
         self.routed.clear()
         self.staged_params.clear()
 
-    def _expert_bytes(self, layer: int) -> torch.Tensor:
+    def host_expert_bytes(self, layer: int) -> torch.Tensor:
         """[E] int64 on the device: each expert's host-tier bytes in routed layer `layer` (TokenBytes.expert_host)."""
         if layer not in self._expert_bytes_of:
             tb = self.token_bytes
@@ -290,8 +290,8 @@ class Runtime(RunState):
     def _top_post(self, module, args, kwargs, output):
         if self.lookahead is not None:
             self.lookahead.settle()    # wrong guesses' reads end with the call that started them
-        for top_k_index, layer in self.routes:   # charged on the device from the plan's accounting: no wait here
-            self.counter.add(picked_bytes(top_k_index, self._expert_bytes(layer)))
+        for read in self.routes:   # charged on the device from the plan's accounting: no wait here
+            read.charge(self)
         self.routes.clear()
         tokens, decode = self.step_tokens, getattr(self, "_decode", None)
         self.counter.end_call(tokens, decode)

@@ -25,8 +25,7 @@ import torch
 import torch.nn as nn
 
 from .compute import ExpertsCompute, ExpertsMode
-from ..planning.placement import Tier
-from ..storage.host import ExpertSplit, StagedParameters, row_runs, set_tensor
+from ..storage.host import StagedParameters, row_runs, set_tensor
 
 
 class LinkCounter:
@@ -110,7 +109,7 @@ class RunState:
         # The disk tier (disk_tier.DiskTier) or None; its reads are counted apart from the host link's.
         self.disk = disk
         self.disk_counter = LinkCounter()
-        self.routes: list[tuple[torch.Tensor, int]] = []  # uva in place: (top_k_index, layer), charged per call
+        self.routes: list = []    # uva in place: read_plan.InPlaceRead of each layer step, charged at the call's end
         # Called with each forward call's routing (RoutedCall) when set; `routed` collects it during the call.
         self.recorder: Recorder | None = recorder
         self.routed: dict[int, torch.Tensor] = {}
@@ -152,16 +151,16 @@ class RunState:
             self._staging[key] = buf
         return buf[:need].view(shape)
 
-    def hook_staged_embedding(self, mod: nn.Embedding, stage: Callable[[list[int]], torch.Tensor], counter: LinkCounter,
-                              row_bytes: int) -> None:
+    def hook_staged_embedding(self, mod: nn.Embedding, stage: Callable[[list[int]], torch.Tensor], read) -> None:
         """Hooks on an embedding whose offloaded table is staged by rows for each call: the call's distinct ids are
         read to the host once, their rows staged (`stage(rows)` -> [len(rows), dim] on the device, in that order)
-        and charged to `counter`, and the ids renumbered onto them; the table the model held is put back after."""
+        and charged by `read` (read_plan.LookupRead), and the ids renumbered onto them; the table the model held is
+        put back after."""
         home, padding = mod.weight, mod.padding_idx
 
         def pre(m, args):
             rows, local = Selected.of(args[0])
-            counter.add(len(rows.ids) * row_bytes)
+            read.charge(self, len(rows.ids))
             self.staged_params.put(m, "weight", stage(list(rows.ids)))
             # padding_idx indexes the full table (it only masks gradients): F.embedding rejects it when it is
             # beyond the staged rows, so it is lifted while the staged table is in place.
@@ -175,59 +174,12 @@ class RunState:
         self.handles.append(mod.register_forward_pre_hook(pre))
         self.handles.append(mod.register_forward_hook(post))
 
-    def stage_split(self, split: ExpertSplit, host: torch.Tensor, selected: "Selected", *, key: str,
-                    layer: int | None = None) -> torch.Tensor:
-        """Gather the `selected` experts of a split tensor, in that order: those of the resident stack by a
-        device-local gather (no link bytes), those of the host stack `host` over the link (or from the look-ahead's
-        rows of `layer`). Where each lies is looked up on the host (split.where): no device round trip."""
-        out = self.rows_buffer(key, host, len(selected.ids))
-        there, rows = self.gather_resident(split, selected.ids, out)
-        if there:
-            self.copy_expert_rows(host, rows, out, there, layer=layer, name=key,
-                                  experts=[selected.ids[i] for i in there])
-        return out
-
-    @staticmethod
-    def gather_resident(split: ExpertSplit, ids: tuple[int, ...] | list[int], out: torch.Tensor
-                        ) -> tuple[list[int], list[int]]:
-        """out[i] = the resident stack's row of ids[i], for the ids the resident stack holds (a device-local gather);
-        returns the positions of the others and their rows in the other stack (the host's, or for a disk-tier split
-        the disk's), for the caller to fill."""
-        places = [split.where(e) for e in ids]
-        here = [i for i, (tier, _) in enumerate(places) if tier != Tier.HOST]
-        if here:
-            out.index_copy_(0, index_tensor(here, out.device),
-                            split.resident.index_select(0, index_tensor([places[i][1] for i in here], out.device)))
-        there = [i for i, (tier, _) in enumerate(places) if tier == Tier.HOST]
-        return there, [places[i][1] for i in there]
-
-    def stage_rows(self, host: torch.Tensor, rows: list[int], *, key: str, layer: int | None = None
-                   ) -> torch.Tensor:
+    def stage_rows(self, host: torch.Tensor, rows: list[int], *, key: str) -> torch.Tensor:
         """Copy host[rows] into a reused device buffer, one per `key` (a tensor's local name, so two tensors
-        staged for the same forward never share one) and row shape, shared by all layers (they run in turn).
-        `layer`: the rows are that layer's experts (row = expert id), some perhaps copied ahead by the look-ahead."""
+        staged for the same forward never share one) and row shape, shared by all layers (they run in turn)."""
         out = self.rows_buffer(key, host, len(rows))
-        self.copy_expert_rows(host, rows, out, None, layer=layer, name=key, experts=rows)
+        self.copy_rows(host, rows, out)
         return out
-
-    def copy_expert_rows(self, host: torch.Tensor, rows: list[int], out: torch.Tensor, positions: list[int] | None,
-                         *, layer: int | None, name: str, experts: list[int]) -> None:
-        """copy_rows of routed experts (`experts[i]`: the expert in host row rows[i]) of `layer`'s tensor `name`: those
-        the look-ahead copied to the device for this layer step come from its rows (device-local), the rest from
-        `host` (copy_rows). Same values in the same places either way."""
-        la = self.lookahead if self.decode_step and layer is not None else None
-        got = la.take_host(layer, name, list(experts)) if la is not None and la.serves(layer) else None
-        if got is None:
-            self.copy_rows(host, rows, out, positions)
-            return
-        buf, slots = got
-        pos = list(range(len(experts))) if positions is None else positions
-        mine = [i for i, e in enumerate(experts) if e in slots]
-        rest = [i for i, e in enumerate(experts) if e not in slots]
-        out.index_copy_(0, index_tensor([pos[i] for i in mine], out.device),
-                        buf.index_select(0, index_tensor([slots[experts[i]] for i in mine], buf.device)))
-        if rest:
-            self.copy_rows(host, [rows[i] for i in rest], out, [pos[i] for i in rest])
 
     def copy_rows(self, host: torch.Tensor, rows: list[int], out: torch.Tensor,
                   positions: list[int] | None = None) -> None:

@@ -1,0 +1,112 @@
+"""The executor of a layer step's read plan (read_plan.py): every copy the plan names, grouped by source, runs of
+consecutive rows as one copy. It decides nothing and charges nothing.
+
+For each offloaded tensor of the step, into the runtime's reused buffer [U, ...] (the selected experts in ascending
+order, so the eager loop's arithmetic is the model's own whatever lies where):
+
+    RESIDENT      one device-local gather from the split tensor's resident stack
+    DEVICE_PAGE   one device-local gather of the device cache's pages
+    HOST_ROW      state.RunState.copy_rows: one gather of the host rows in place (a cpu or uva host stack), or one
+                  asynchronous copy per run of consecutive rows landing in consecutive positions (pinned memory)
+    AHEAD         waits for these experts' look-ahead jobs only, then one gather of their rows
+    disk tier     HOST_PAGE, AHEAD and DISK rows land in host memory first (the buffer itself on a CPU-only machine,
+                  else the disk tier's pinned staging): checkpoint reads (disk_tier.DiskTier.read_into: a run of
+                  consecutive positions as one read, else several in flight), host-cache pages by runs (one memcpy
+                  each); admitted experts' rows then go into the host cache's pages, and the landed rows to the
+                  device, one copy per run
+    admissions    last, once every row has landed: admitted experts' rows into the device cache's pages
+
+A page copy views a row as uint8 pages of the cache's page size (every cached row is a whole number of them).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..storage.host import row_runs
+from .read_plan import Source, StepPlan, TensorReads
+from .state import index_tensor
+
+ExpertsLike = object   # experts.ExpertsState (not imported: it imports this module)
+
+if TYPE_CHECKING:
+    from .state import RunState
+
+
+def execute(rt: "RunState", state: ExpertsLike, plan: StepPlan) -> dict[str, torch.Tensor]:
+    """The plan's copies: local name -> the gathered [U, ...] stack of each offloaded tensor of the step."""
+    count = len(plan.selected.ids)
+    return {t.name: _tensor(rt, state, t, count) for t in plan.tensors}
+
+
+def _tensor(rt: "RunState", state: ExpertsLike, t: TensorReads, count: int) -> torch.Tensor:
+    if t.on_disk:
+        src = state.disk[t.name]
+        out = rt.buffer(("rows", t.name, src.shape[1:], src.dtype), (count, *src.shape[1:]), src.dtype)
+    else:
+        host = state.offloaded[t.name]
+        out = rt.rows_buffer(t.name, host, count)
+    dev = out.device
+    resident = t.of(Source.RESIDENT)
+    if resident:
+        stack = state.split[t.name].resident
+        out.index_copy_(0, index_tensor([r.position for r in resident], dev),
+                        stack.index_select(0, index_tensor([r.row for r in resident], dev)))
+    cached = t.of(Source.DEVICE_PAGE)
+    if cached:
+        _pages_in(rt.cache.arena, out, cached)
+    if t.on_disk:
+        _disk_rows(rt, state, t, out)
+    else:
+        linked = t.of(Source.HOST_ROW)
+        if linked:
+            rt.copy_rows(host, [r.row for r in linked], out, [r.position for r in linked])
+        ahead = t.of(Source.AHEAD)
+        if ahead:
+            t.ahead.wait()
+            out.index_copy_(0, index_tensor([r.position for r in ahead], dev),
+                            t.ahead.rows.index_select(0, index_tensor([r.row for r in ahead], t.ahead.rows.device)))
+    if t.admit_device:   # after every row landed in `out` (same stream): out -> the pages the policy claimed
+        arena = rt.cache.arena
+        rows = out.view(-1).view(torch.uint8).view(-1, arena.shape[1])
+        per = rows.shape[0] // count
+        arena.index_copy_(0, index_tensor([p for _, pages in t.admit_device for p in pages], dev),
+                          rows.index_select(0, index_tensor([i * per + j for i, pages in t.admit_device
+                                                             for j in range(len(pages))], dev)))
+    return out
+
+
+def _pages_in(arena: torch.Tensor, out: torch.Tensor, reads: list) -> None:
+    """out's rows of `reads` <- their pages in the device cache's arena (device-local)."""
+    rows = out.view(-1).view(torch.uint8).view(-1, arena.shape[1])
+    per = rows.shape[0] // out.shape[0]
+    dev = out.device
+    rows.index_copy_(0, index_tensor([r.position * per + j for r in reads for j in range(len(r.pages))], dev),
+                     arena.index_select(0, index_tensor([p for r in reads for p in r.pages], dev)))
+
+
+def _disk_rows(rt: "RunState", state: ExpertsLike, t: TensorReads, out: torch.Tensor) -> None:
+    """A disk-tier tensor's rows from below the device: landed in host memory, then on the device."""
+    below = t.of(Source.HOST_PAGE, Source.AHEAD, Source.DISK)
+    if not below:
+        return
+    src = state.disk[t.name]
+    land = out if out.device.type == "cpu" else rt.disk.staging(t.name, src)
+    disk = t.of(Source.DISK)
+    if disk:
+        rt.disk.read_into(src, [r.row for r in disk], land, [r.position for r in disk])
+    for r in t.of(Source.HOST_PAGE):
+        rt.host_cache.read(list(r.pages), land[r.position])
+    ahead = t.of(Source.AHEAD)
+    if ahead:
+        t.ahead.wait()
+        land.index_copy_(0, index_tensor([r.position for r in ahead], land.device),
+                         t.ahead.rows.index_select(0, index_tensor([r.row for r in ahead], land.device)))
+    for position, pages in t.admit_host:    # admitted by the host cache's policy: into the pages it claimed
+        rt.host_cache.store(list(pages), land[position])
+    if land is not out:                     # synchronous: the staging is reused by the next read
+        positions = sorted(r.position for r in below)
+        for p, _, n in row_runs(positions, positions):
+            out[p:p + n].copy_(land[p:p + n])

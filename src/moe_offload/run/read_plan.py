@@ -1,0 +1,208 @@
+"""The read plan: for one layer step, where each selected expert of each offloaded tensor comes from and which counter
+its bytes are charged to; and the plans of the other offloaded reads (a dense module's tensors, an embedding's rows,
+uva's in-place expert reads). This module is the only place that charges a counter.
+
+A layer step that gathers its selected experts (experts.py: prefetch, a split tensor, a cache, a look-ahead, the disk
+tier, quantized experts to dequantize) is planned here, then carried out by one executor (read_executor.py):
+
+    plan_step     the decisions, in replay's order: the look-ahead drops its unpicked guesses, the device cache's
+                  policy decides each selected expert (pages.PagedCache.decide: hits, admissions, victims), the host
+                  cache's policy decides the disk-tier experts the device cache does not hold; then, per tensor and
+                  expert, one `Read` with its `Source`:
+
+        RESIDENT     the split tensor's resident stack, on the device          no counter
+        DEVICE_PAGE  the device cache's pages                                  no counter (a hit)
+        HOST_ROW     the host stack, over the link                             link
+        AHEAD        the rows the look-ahead started for this step             link (host tier) or disk (disk tier)
+        HOST_PAGE    the host cache's pages (a disk-tier expert)               link (from host memory)
+        DISK         the checkpoint                                            disk
+
+                  and the admissions: rows to copy into the device cache's or the host cache's claimed pages once
+                  they have landed.
+    charge        the counters, once per layer step, from the plan: accounting.TokenBytes.step_bytes of the selected
+                  experts with the plan's device-cache hits and host-cache hits, the definition replay sums over a
+                  trace; so the runtime's counts equal replay's by construction, whichever rows the bytes come from.
+
+The other reads charge through their plans here too: `WholeRead` (a module's offloaded dense tensors, read in full
+every call), `LookupRead` (an embedding's distinct rows), `InPlaceRead` (uva's experts indexed in place, charged on
+the device at the end of the call: nothing waits on the device for its own accounting).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..planning.placement import Tier
+from .lookahead import AheadRows
+from .pages import Decision
+from .state import Selected, picked_bytes
+
+ExpertsLike = object   # experts.ExpertsState (not imported: it imports this module)
+
+if TYPE_CHECKING:
+    from .state import LinkCounter, RunState
+
+
+class Source(Enum):
+    """Where one selected expert's row of one tensor comes from in a layer step."""
+
+    RESIDENT = "resident"
+    DEVICE_PAGE = "device-cache page"
+    HOST_ROW = "host row"
+    AHEAD = "look-ahead row"
+    HOST_PAGE = "host-cache page"
+    DISK = "disk"
+
+
+class Counter(Enum):
+    """The runtime's byte counters: the host link's and the disk tier's."""
+
+    LINK = "link"
+    DISK = "disk"
+
+    def of(self, rt: "RunState") -> "LinkCounter":
+        return rt.counter if self is Counter.LINK else rt.disk_counter
+
+
+@dataclass(frozen=True)
+class Read:
+    """One selected expert's row of one tensor: its place in the gathered stack, its source and the counter its
+    bytes go to (None: a device-local read)."""
+
+    position: int                  # its row in the gathered [U, ...] stack (the selection's ascending order)
+    expert: int
+    source: Source
+    row: int = -1                  # RESIDENT / HOST_ROW: its row in that stack; AHEAD: its look-ahead slot; DISK: id
+    pages: tuple[int, ...] = ()    # DEVICE_PAGE / HOST_PAGE: its pages in that cache's arena
+    counter: Counter | None = None
+
+
+@dataclass(frozen=True)
+class TensorReads:
+    """One offloaded tensor's reads in a layer step, and the rows to copy into claimed cache pages after."""
+
+    name: str                      # local name in the experts module
+    on_disk: bool                  # a disk-tier tensor (its below-device rows land in host memory first)
+    reads: tuple[Read, ...]
+    ahead: AheadRows | None = None                        # the look-ahead's rows the AHEAD reads take
+    admit_device: tuple[tuple[int, tuple[int, ...]], ...] = ()   # (position, its device-cache pages)
+    admit_host: tuple[tuple[int, tuple[int, ...]], ...] = ()     # (position, its host-cache pages)
+
+    def of(self, *sources: Source) -> list[Read]:
+        return [r for r in self.reads if r.source in sources]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Every read of one layer step, decided before anything is copied."""
+
+    layer: int
+    selected: Selected
+    tensors: tuple[TensorReads, ...]
+    device_hits: tuple[int, ...]   # experts served from the device cache's pages
+    host_hits: tuple[int, ...]     # disk-tier experts served from the host cache's pages
+
+    def below(self) -> list[int]:
+        """The experts read from below the device (host link or disk; not a cache or a resident stack), ascending:
+        what the look-ahead counts its hits against."""
+        return sorted({r.expert for t in self.tensors for r in t.of(Source.HOST_ROW, Source.AHEAD, Source.DISK)})
+
+    def charge(self, rt: "RunState") -> None:
+        """Charge the step's bytes, once (TokenBytes.step_bytes: every selected expert's offloaded bytes from its
+        tier, nothing for a device-cache hit, a host-cache hit's disk bytes from host memory)."""
+        host, disk = rt.token_bytes.step_bytes(self.layer, self.selected.ids, self.device_hits, self.host_hits)
+        Counter.LINK.of(rt).add(host)
+        Counter.DISK.of(rt).add(disk)
+
+
+def plan_step(rt: "RunState", state: ExpertsLike, selected: Selected, through_cache: bool) -> StepPlan:
+    """The read plan of `state`'s layer step for its `selected` experts. `through_cache`: a decode step the device
+    cache serves (every offloaded expert tensor is then read through it). Runs the caches' policies (their
+    decisions are the step's), nothing else: no copy, no counter."""
+    layer, ids = state.layer, list(selected.ids)
+    la = rt.lookahead if rt.lookahead is not None and rt.decode_step else None
+    if la is not None and la.serves(layer):                      # the guesses not picked are dropped first
+        la.routed(layer, ids)
+    else:
+        la = None
+    dc = rt.cache.decide(layer, ids) if through_cache else None
+    off_device = [e for e in ids if dc is None or not dc.held(e)]
+    hc = rt.host_cache if state.disk and rt.host_cache_step and rt.host_cache.serves(layer) else None
+    hd = hc.decide(layer, off_device) if hc is not None else None
+    tensors = [_tensor_reads(state, name, False, ids, dc, None, la) for name in state.offloaded]
+    tensors += [_tensor_reads(state, name, True, ids, dc, hd, la) for name in state.disk]
+    return StepPlan(layer, selected, tuple(tensors),
+                    tuple(e for e in ids if dc is not None and dc.held(e)),
+                    tuple(e for e in off_device if hd is not None and hd.held(e)))
+
+
+def _tensor_reads(state: ExpertsLike, name: str, on_disk: bool, ids: list[int], dc: Decision | None,
+                  hd: Decision | None, la) -> TensorReads:
+    split = state.split.get(name)
+    places = [split.where(e) if split is not None else (Tier.HOST, e) for e in ids]   # HOST: off the device
+    held = lambda d, e: d is not None and d.held(e)
+    wanted = [e for e, (tier, _) in zip(ids, places)
+              if tier == Tier.HOST and not held(dc, e) and not (on_disk and held(hd, e))]
+    ahead = la.rows_ahead(state.layer, name, wanted) if la is not None and wanted else None
+    tier_counter = Counter.DISK if on_disk else Counter.LINK
+    reads, admit_device, admit_host = [], [], []
+    for i, (e, (tier, row)) in enumerate(zip(ids, places)):
+        if tier != Tier.HOST:
+            reads.append(Read(i, e, Source.RESIDENT, row))
+            continue
+        if held(dc, e):
+            reads.append(Read(i, e, Source.DEVICE_PAGE, pages=tuple(dc.pages_of(e, name))))
+            continue
+        if on_disk and held(hd, e):
+            reads.append(Read(i, e, Source.HOST_PAGE, pages=tuple(hd.pages_of(e, name)), counter=Counter.LINK))
+        elif ahead is not None and e in ahead.slots:
+            reads.append(Read(i, e, Source.AHEAD, ahead.slots[e], counter=tier_counter))
+        elif on_disk:
+            reads.append(Read(i, e, Source.DISK, e, counter=Counter.DISK))
+        else:
+            reads.append(Read(i, e, Source.HOST_ROW, row, counter=Counter.LINK))
+        if dc is not None and dc.admitted(e):
+            admit_device.append((i, tuple(dc.pages_of(e, name))))
+        if on_disk and hd is not None and hd.admitted(e):
+            admit_host.append((i, tuple(hd.pages_of(e, name))))
+    return TensorReads(name, on_disk, tuple(reads), ahead, tuple(admit_device), tuple(admit_host))
+
+
+# --- the other reads' plans -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WholeRead:
+    """A module's offloaded dense tensors, read in full every call it makes."""
+
+    counter: Counter
+    nbytes: int
+
+    def charge(self, rt: "RunState") -> None:
+        self.counter.of(rt).add(self.nbytes)
+
+
+@dataclass(frozen=True)
+class LookupRead:
+    """An embedding lookup of an offloaded table: the call's distinct rows (a host count, or a device count of the
+    uva path, read back with the counts)."""
+
+    counter: Counter
+    row_bytes: int
+
+    def charge(self, rt: "RunState", rows: "int | torch.Tensor") -> None:
+        self.counter.of(rt).add(rows * self.row_bytes)
+
+
+@dataclass(frozen=True)
+class InPlaceRead:
+    """uva's experts indexed in place in whole host tensors: the distinct experts of `top_k_index`, each expert's host
+    bytes once (the plan's accounting, as a device tensor per layer), counted on the device at the end of the call."""
+
+    layer: int
+    top_k_index: torch.Tensor
+
+    def charge(self, rt: "RunState") -> None:
+        Counter.LINK.of(rt).add(picked_bytes(self.top_k_index, rt.host_expert_bytes(self.layer)))
