@@ -183,6 +183,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host-memory cache of X GiB for disk-tier experts, below the device cache, the same policy; "
                         "carved out of --host-memory (CPU-only: --reserve-gb) as load carves it (default: none)")
     _device_option(r)
+    h = r.add_argument_group("host compute prediction (for the machine described; nothing of this one measured)")
+    h.add_argument("--expert-compute", choices=["auto", "host", "device"],
+                   help="where offloaded experts are computed: host (the CPU kernels where their bytes lie), device "
+                        "(their bytes stream over the link, as without host compute), auto (per layer step, the "
+                        "cost model's choice). Given, or with any rate below, replay adds the expected ms per token "
+                        "(default device)")
+    h.add_argument("--link-gbps", type=float, metavar="X", help="host -> device link, GB/s (1e9 bytes/s); a link "
+                                                                "means an accelerator (refused with --device cpu)")
+    h.add_argument("--host-gbps", type=float, metavar="X", help="host memory read bandwidth of the experts kernels, GB/s")
+    h.add_argument("--host-gflops", type=float, metavar="X", help="host FLOP rate of the experts kernels, GFLOP/s")
+    h.add_argument("--device-gbps", type=float, metavar="X",
+                   help="device memory bandwidth, GB/s: times resident dense weights and device-side experts "
+                        "(default: not limiting)")
+    h.add_argument("--device-tflops", type=float, metavar="X",
+                   help="device FLOP rate on streamed experts, TFLOP/s (default: not limiting)")
     r.add_argument("--json", action="store_true", help="print the result as one JSON document")
     r.set_defaults(func=cmd_replay)
 

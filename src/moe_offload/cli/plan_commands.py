@@ -49,8 +49,9 @@ def cmd_replay(args) -> int:
     trace = read_trace(args.trace)
     budget = dict(offload_gb=args.offload_gb, device_memory_gb=args.device_memory, reserve_gb=args.reserve_gb,
                   host_memory_gb=args.host_memory)
+    predict = _prediction(args)   # checked before any planning; with --plan, --device names the machine predicted
     if args.plan:
-        plan = read_plan_of(args, path, also=(("--device", args.device),))
+        plan = read_plan_of(args, path, also=() if predict else (("--device", args.device),))
     else:
         inv = inventory(path, dtype=args.dtype)
         layers = routed_layers(inv)
@@ -76,8 +77,16 @@ def cmd_replay(args) -> int:
                             cpu_only=cpu_only, **budget)
     result = replay(plan, trace, cache_gb=args.cache_gb, cache_policy=args.cache_policy,
                     policy="oracle" if args.policy == "oracle" else None, host_cache_gb=args.host_cache_gb)
+    compute = None
+    if predict:
+        from ..routing.replay_compute import compute_replay
+
+        compute = compute_replay(plan, trace, predict[0], predict[1], cache_gb=args.cache_gb,
+                                 cache_policy=args.cache_policy, host_cache_gb=args.host_cache_gb)
     if args.json:
-        print(json.dumps(result.to_dict()))
+        doc = result.to_dict()
+        doc.update({k: v for k, v in (compute.to_dict() if compute else {}).items() if k not in doc})
+        print(json.dumps(doc))
         return 0
     cache = (f"{result.cache_policy} cache of {format_bytes(result.cache_bytes)}: {result.cache_hits} hits, "
              f"{result.cache_misses} misses" if result.cache_policy else "no cache")
@@ -96,7 +105,79 @@ def cmd_replay(args) -> int:
     if plan.disk_bytes:
         print(f"of which from host memory {format_bytes(result.host_link_bytes_per_token)}, from disk "
               f"{format_bytes(result.disk_read_bytes_per_token)} per token")
+    if compute:
+        _print_prediction(compute)
     return 0
+
+
+_RATES = (("--link-gbps", "link_gbps", "GB/s"), ("--host-gbps", "host_gbps", "GB/s"),
+          ("--host-gflops", "host_gflops", "GFLOP/s"), ("--device-gbps", "device_gbps", "GB/s"),
+          ("--device-tflops", "device_tflops", "TFLOP/s"))
+
+
+def _prediction(args):
+    """replay's host-compute prediction, when asked (--expert-compute or a rate): (mode, cost_model.Hardware) for
+    the machine the flags describe, or None. The rates are the user's: replay predicts another machine, so nothing
+    of this one is measured. A link means an accelerator; --device cpu (or no --device on a machine without one)
+    has none."""
+    import math
+
+    from ..planning.cost_model import ExpertCompute, Hardware
+
+    given = {flag: getattr(args, name) for flag, name, _ in _RATES if getattr(args, name) is not None}
+    if args.expert_compute is None and not given:
+        return None
+    for flag, name, unit in _RATES:
+        v = given.get(flag)
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise MoeOffloadError(f"{flag} {v} is not a rate: give a positive number of {unit}")
+    mode = ExpertCompute(args.expert_compute or "device")
+    cpu = cpu_only_device(args.device)
+    where = f"--device {args.device}" if args.device else "no --device, and this machine has no accelerator"
+    if cpu and "--link-gbps" in given:
+        raise MoeOffloadError(f"--link-gbps {given['--link-gbps']} for a CPU-only machine ({where}): it has no link, "
+                              "its experts are read in place; drop --link-gbps, or name an accelerator (--device cuda)")
+    if not cpu and "--link-gbps" not in given:
+        raise MoeOffloadError(f"--expert-compute {mode.value} on an accelerator ({args.device or 'this machine'}) "
+                              "needs the link's rate: give --link-gbps X (PCIe 4 x16 about 25, PCIe 5 about 50)")
+    host = [f for f in ("--host-gbps", "--host-gflops") if f not in given]
+    if host and (mode is not ExpertCompute.DEVICE or cpu):
+        why = ("the host side is timed by them" if mode is not ExpertCompute.DEVICE
+               else "on a CPU-only machine every expert is computed by the host")
+        raise MoeOffloadError(f"--expert-compute {mode.value} needs the host's rates, and {' and '.join(host)} "
+                              f"{'is' if len(host) == 1 else 'are'} missing ({why}): give {' and '.join(host)} "
+                              "of the machine predicted (e.g. --host-gbps 80 --host-gflops 1000); replay does not "
+                              "measure this one")
+
+    def rate(flag: str, scale: float) -> float | None:
+        return given[flag] * scale if flag in given else None
+
+    return mode, Hardware(host_bytes_per_s=rate("--host-gbps", 1e9), host_flops_per_s=rate("--host-gflops", 1e9),
+                          link_bytes_per_s=None if cpu else rate("--link-gbps", 1e9),
+                          device_flops_per_s=rate("--device-tflops", 1e12),
+                          device_bytes_per_s=rate("--device-gbps", 1e9))
+
+
+def _print_prediction(c) -> None:
+    from ..planning.placement import format_bytes
+
+    hw = c.hardware
+
+    def rate(key: str, scale: float, unit: str) -> str | None:
+        return f"{hw[key] / scale:g} {unit}" if hw.get(key) else None
+
+    parts = [f"link {rate('link_bytes_per_s', 1e9, 'GB/s') or 'none (CPU only)'}"]
+    if hw.get("host_bytes_per_s") and (c.expert_compute != "device" or not hw.get("link_bytes_per_s")):
+        parts.append(f"host {rate('host_bytes_per_s', 1e9, 'GB/s')} and {rate('host_flops_per_s', 1e9, 'GFLOP/s')}")
+    parts.append(f"device {rate('device_bytes_per_s', 1e9, 'GB/s') or 'memory not limiting'}"
+                 + (f", {rate('device_flops_per_s', 1e12, 'TFLOP/s')}" if hw.get("device_flops_per_s") else ""))
+    print(f"expert compute {c.expert_compute}, predicted for {', '.join(parts)}: {c.expected_ms_per_token:.4g} ms "
+          f"per decoded token (layer steps {c.expert_ms_per_token:.4g} + dense weights {c.dense_ms_per_token:.4g})")
+    print(f"per token: link weights {format_bytes(c.link_weight_bytes_per_token)}, link activations "
+          f"{format_bytes(c.link_activation_bytes_per_token)}, host memory read by host compute "
+          f"{format_bytes(c.host_read_bytes_per_token)}; {c.experts_on_host} experts computed on the host, "
+          f"{c.experts_on_device} on the device ({c.steps_on_host} of {c.steps} layer steps on the host)")
+    print(f"a prediction, not a measurement: {c.formula}")
 
 
 def cmd_export(args) -> int:

@@ -90,6 +90,79 @@ def lookahead_counts(tb: TokenBytes, predicted: np.ndarray, needed, device_held,
     return hits, misses, wasted
 
 
+@dataclass(frozen=True, eq=False)
+class CacheWalk:
+    """Every cache access of a replay, in the runtime's order (token, layer row, ascending expert id; offloaded
+    picks only), and what the caches answered: `hit`, held by the device cache (nothing read from below the
+    device); `in_host`, its disk bytes held by the host cache; `held`, with `snapshot`, the keys each cache held
+    as each (token, layer row) began."""
+
+    tok: np.ndarray
+    lay: np.ndarray
+    experts: np.ndarray
+    hit: np.ndarray
+    in_host: np.ndarray
+    held: dict
+    admitted: np.ndarray | None = None   # with `admissions`: a device-cache miss the cache took in (it travels)
+
+
+def walk_caches(tb: TokenBytes, ids: np.ndarray, *, cache=None, host_cache=None, snapshot: bool = False,
+                admissions: bool = False) -> CacheWalk:
+    """Drive the caches through the accesses of `ids` as the runtime does (replay_routing's walk, for every user
+    of per-access hits): one marked step per token, the device cache first, the host cache on its misses that have
+    disk bytes. Without caches, the accesses alone (nothing hit). `admissions`: also note which device-cache misses
+    the cache admitted (`key in cache` after the miss; a cache without `__contains__` admits none)."""
+    t, n_layers, _ = ids.shape
+    host = np.concatenate([tb.expert_host, np.zeros((n_layers, 1), np.int64)], axis=1)
+    disk = np.concatenate([tb.expert_disk, np.zeros((n_layers, 1), np.int64)], axis=1)
+    tok, lay, experts = _access_order(tb, ids)
+    # The device cache holds offloaded experts of both tiers (their host + disk bytes); the host cache below it
+    # sees the device cache's misses that have disk bytes (their disk bytes), as the runtime's caches do.
+    nbytes = (host + disk)[lay, experts].tolist()
+    dbytes = disk[lay, experts].tolist()
+    keys = list(zip(np.asarray(tb.layers, dtype=np.int64)[lay].tolist(), experts.tolist()))
+    ends = np.searchsorted(tok, np.arange(1, t + 1)).tolist()   # accesses of token i: [ends[i-1], ends[i])
+    hit = np.zeros(len(keys), dtype=bool)       # held by the device cache: nothing read
+    in_host = np.zeros(len(keys), dtype=bool)   # its disk bytes held by the host cache: read from host memory
+    # (token, layer row) -> the device cache's and the host cache's keys when that layer began (for the look-ahead)
+    held: dict[tuple[int, int], tuple[set, set]] = {}
+
+    admitted = np.zeros(len(keys), dtype=bool) if admissions else None
+    holds = getattr(cache, "__contains__", None) if admissions else None
+    if cache is None and host_cache is None:
+        return CacheWalk(tok, lay, experts, hit, in_host, held, admitted)
+    noted = [-1]                                # the last layer row of this token noted in `held`
+
+    def note_held(i: int, upto: int) -> None:   # layer rows up to `upto` not noted yet begin with these contents
+        if upto > noted[0]:                     # one copy per layer reached, not per access
+            now = (cache.contents() if cache is not None else set(),
+                   host_cache.contents() if host_cache is not None else set())
+            for row in range(noted[0] + 1, upto + 1):
+                held[(i, row)] = now
+            noted[0] = upto
+
+    start = 0
+    for i, end in enumerate(ends):   # every token is one decode step, as the runtime marks it
+        noted[0] = -1
+        if cache is not None:
+            cache.begin_step()
+        if host_cache is not None:
+            host_cache.begin_step()
+        for j in range(start, end):
+            if snapshot:
+                note_held(i, int(lay[j]))
+            if cache is not None:
+                hit[j] = cache.access(keys[j], nbytes[j])
+                if holds is not None and not hit[j]:
+                    admitted[j] = holds(keys[j])
+            if host_cache is not None and not hit[j] and dbytes[j]:
+                in_host[j] = host_cache.access(keys[j], dbytes[j])
+        if snapshot:
+            note_held(i, n_layers - 1)
+        start = end
+    return CacheWalk(tok, lay, experts, hit, in_host, held, admitted)
+
+
 def replay_routing(tb: TokenBytes, ids: np.ndarray, *, cache=None, host_cache=None,
                    predicted: np.ndarray | None = None) -> RoutingCost:
     """Bytes read by the tokens of `ids` ([T, layers, width] expert ids in `tb.layers` order, -1 = none).
@@ -116,46 +189,9 @@ def replay_routing(tb: TokenBytes, ids: np.ndarray, *, cache=None, host_cache=No
             reads += int(np.count_nonzero(h + d))
         return RoutingCost(t, host_bytes, disk_bytes, reads, 0)
 
-    tok, lay, experts = _access_order(tb, ids)
-    # The device cache holds offloaded experts of both tiers (their host + disk bytes); the host cache below it
-    # sees the device cache's misses that have disk bytes (their disk bytes), as the runtime's caches do.
-    nbytes = (host + disk)[lay, experts].tolist()
-    dbytes = disk[lay, experts].tolist()
-    keys = list(zip(np.asarray(tb.layers, dtype=np.int64)[lay].tolist(), experts.tolist()))
-    ends = np.searchsorted(tok, np.arange(1, t + 1)).tolist()   # accesses of token i: [ends[i-1], ends[i])
-    hit = np.zeros(len(keys), dtype=bool)       # held by the device cache: nothing read
-    in_host = np.zeros(len(keys), dtype=bool)   # its disk bytes held by the host cache: read from host memory
-    # (token, layer row) -> the device cache's and the host cache's keys when that layer began (for the look-ahead)
-    held: dict[tuple[int, int], tuple[set, set]] = {}
-    snapshot = (cache is not None or host_cache is not None) and predicted is not None
-
-    noted = [-1]                                # the last layer row of this token noted in `held`
-
-    def note_held(i: int, upto: int) -> None:   # layer rows up to `upto` not noted yet begin with these contents
-        if upto > noted[0]:                     # one copy per layer reached, not per access
-            now = (cache.contents() if cache is not None else set(),
-                   host_cache.contents() if host_cache is not None else set())
-            for row in range(noted[0] + 1, upto + 1):
-                held[(i, row)] = now
-            noted[0] = upto
-
-    start = 0
-    for i, end in enumerate(ends):   # every token is one decode step, as the runtime marks it
-        noted[0] = -1
-        if cache is not None:
-            cache.begin_step()
-        if host_cache is not None:
-            host_cache.begin_step()
-        for j in range(start, end):
-            if snapshot:
-                note_held(i, int(lay[j]))
-            if cache is not None:
-                hit[j] = cache.access(keys[j], nbytes[j])
-            if host_cache is not None and not hit[j] and dbytes[j]:
-                in_host[j] = host_cache.access(keys[j], dbytes[j])
-        if snapshot:
-            note_held(i, n_layers - 1)
-        start = end
+    walk = walk_caches(tb, ids, cache=cache, host_cache=host_cache,
+                       snapshot=(cache is not None or host_cache is not None) and predicted is not None)
+    tok, lay, experts, hit, in_host, held = walk.tok, walk.lay, walk.experts, walk.hit, walk.in_host, walk.held
     miss = ~hit
     moved = int(disk[lay[in_host], experts[in_host]].sum())   # disk bytes the host cache served
     host_bytes += int(host[lay[miss], experts[miss]].sum()) + moved
@@ -203,16 +239,27 @@ def make_replay_cache(policy: str | None, capacity_bytes: int, future_keys):
     return name, cache_policy.make_cache(name, capacity_bytes, future=future_keys() if offline else None)
 
 
-def replay(plan: Plan, trace: Trace, *, cache_gb: float | None = None, cache_policy: str | None = None,
-           policy: str | None = None, host_cache_gb: float | None = None) -> ReplayResult:
-    """Replay the decode tokens of `trace` (batch 1) under `plan` and an optional cache of `cache_gb` GiB.
+@dataclass(frozen=True, eq=False)
+class ReplayInputs:
+    """What a replay of a trace under a plan drives: the plan's token bytes, the decode routing ([T, layers,
+    width] ids, -1 = none), fresh caches (None: none) with their policy names and capacities, and the look-ahead's
+    predictions (None without them in the trace)."""
 
-    host_cache_gb: a host-memory cache of disk-tier experts (the same policy), below the device cache. The plan
-    is taken as given: a runtime loaded with host_cache_gb planned with the cache carved out of its host memory
-    (run/host_cache.carve), so replay that plan (`replay --host-cache-gb` does).
+    tb: TokenBytes
+    ids: np.ndarray
+    cache: object
+    cache_policy: str | None
+    cache_bytes: int
+    host_cache: object
+    host_cache_policy: str | None
+    host_cache_bytes: int
+    predicted: np.ndarray | None
 
-    policy: the label reported (default: the plan's; replay's `oracle` is a frequency plan).
-    """
+
+def replay_inputs(plan: Plan, trace: Trace, *, cache_gb: float | None = None, cache_policy: str | None = None,
+                  host_cache_gb: float | None = None) -> ReplayInputs:
+    """The trace checked against the plan, its decode routing as an array, and fresh caches of the sizes asked
+    (each call makes new ones: a cache is used up by one walk)."""
     tb = plan.token_bytes()
     check_trace_matches(trace, num_experts=tb.num_experts or None, layers=tb.layers,
                         where=f"the {plan.model_type} plan")
@@ -246,18 +293,34 @@ def replay(plan: Plan, trace: Trace, *, cache_gb: float | None = None, cache_pol
         pwidth = max(1, max(len(p) for r in rows for p in r.predicted))
         predicted = routing_array([TraceRow(r.seq, r.pos, r.phase, r.predicted) for r in rows], pwidth,
                                   len(tb.layers), dtype=dtype)
-    cost = replay_routing(tb, ids, cache=cache, host_cache=host_cache, predicted=predicted)
+    return ReplayInputs(tb, ids, cache, name, capacity, host_cache, host_name, host_capacity, predicted)
+
+
+def replay(plan: Plan, trace: Trace, *, cache_gb: float | None = None, cache_policy: str | None = None,
+           policy: str | None = None, host_cache_gb: float | None = None) -> ReplayResult:
+    """Replay the decode tokens of `trace` (batch 1) under `plan` and an optional cache of `cache_gb` GiB.
+
+    host_cache_gb: a host-memory cache of disk-tier experts (the same policy), below the device cache. The plan
+    is taken as given: a runtime loaded with host_cache_gb planned with the cache carved out of its host memory
+    (run/host_cache.carve), so replay that plan (`replay --host-cache-gb` does).
+
+    policy: the label reported (default: the plan's; replay's `oracle` is a frequency plan).
+    """
+    inputs = replay_inputs(plan, trace, cache_gb=cache_gb, cache_policy=cache_policy, host_cache_gb=host_cache_gb)
+    host_cache = inputs.host_cache
+    cost = replay_routing(inputs.tb, inputs.ids, cache=inputs.cache, host_cache=host_cache,
+                          predicted=inputs.predicted)
     n = cost.tokens
     return ReplayResult(
         tokens=n, link_bytes_per_token=(cost.host_bytes + cost.disk_bytes) / n,
         host_link_bytes_per_token=cost.host_bytes / n, disk_read_bytes_per_token=cost.disk_bytes / n,
         expert_reads=cost.expert_reads, cache_hits=cost.cache_hits,
         cache_misses=cost.expert_reads,
-        policy=policy or plan.policy, cache_policy=name, offloaded_bytes=plan.offloaded_bytes, cache_bytes=capacity,
-        host_cache_policy=host_name, host_cache_bytes=host_capacity,
+        policy=policy or plan.policy, cache_policy=inputs.cache_policy, offloaded_bytes=plan.offloaded_bytes,
+        cache_bytes=inputs.cache_bytes,
+        host_cache_policy=inputs.host_cache_policy, host_cache_bytes=inputs.host_cache_bytes,
         host_cache_hits=host_cache.hits if host_cache is not None else 0,
         host_cache_misses=host_cache.misses if host_cache is not None else 0,
         lookahead_hits=cost.lookahead[0] if cost.lookahead else None,
         lookahead_misses=cost.lookahead[1] if cost.lookahead else None,
         lookahead_wasted_bytes_per_token=cost.lookahead[2] / n if cost.lookahead else None)
-
