@@ -24,6 +24,10 @@ qwen3_moe bf16; qwen3_moe FP8 (block-scaled); gpt_oss MXFP4. Loads, at half the 
 - serve (gpu_check_serve.py, or alone with `--only serve`): the server's continuous batching on the offloaded
   model (uva, prefetch): a request alone and 8 together against generate, the meter's link bytes, decode tok/s,
   CUDA memory after the runs;
+- host compute (gpu_check_host_compute.py, or alone with `--only host`): 80% of a bf16 model's expert bytes on
+  the host, computed there by the CPU kernels, streamed, or as the cost model chooses; decode tok/s and link bytes
+  (weights vs activations) of each against resident, tokens by the margin rule, prefill tok/s of auto against
+  each forced choice, the cost model's prediction beside the measured ratio;
 - grouped (gpu_check_compiled.py, last, or alone with `--only grouped`): qwen3_moe and gpt_oss bf16 with
   experts="grouped", resident / half offloaded (uva, prefetch) / every expert tensor whole on the host (uva
   reads inside the graph), eager and grouped and compiled (`mode="reduce-overhead"`: CUDA graphs): logits
@@ -65,6 +69,7 @@ from pathlib import Path
 from gpu_check_cases import bf16_cases, compare_tokens, quant_cases
 from gpu_check_compiled import compiled_section
 from gpu_check_serve import serve_section
+from gpu_check_host_compute import host_compute_section
 from gpu_check_harness import GIB, MIB, Checks, Guard, RunTimeout, StepTimeout
 from gpu_check_load import run_case
 
@@ -127,7 +132,7 @@ def _options(argv) -> argparse.Namespace:
     p.add_argument("--time-limit", type=int, default=420, help="stop (FAIL) after this many seconds in all")
     p.add_argument("--case-limit", type=int, default=90, help="FAIL a step (one load, its checks and decode) "
                                                                 "past this many seconds and go on")
-    p.add_argument("--only", choices=("bf16", "fp8", "mxfp4", "grouped", "serve"), action="append",
+    p.add_argument("--only", choices=("bf16", "fp8", "mxfp4", "grouped", "serve", "host"), action="append",
                    help="models to check (default all); grouped: issue 17's grouped experts and compiled decode")
     p.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -146,7 +151,7 @@ def main(argv=None) -> int:
     for k, v in (GPU_SIZES if dev.type == "cuda" else CPU_SIZES).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    models = [m for m in args.only or ["bf16", "fp8", "mxfp4"] if m not in ("grouped", "serve")]
+    models = [m for m in args.only or ["bf16", "fp8", "mxfp4"] if m not in ("grouped", "serve", "host")]
 
     guard = Guard(args.time_limit)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench-out"
@@ -225,6 +230,8 @@ def main(argv=None) -> int:
                 write()
             if not args.only or "serve" in args.only:
                 serve_section(tmp, args, dev, guard, checks, report, write)
+            if not args.only or "host" in args.only:
+                host_compute_section(tmp, args, dev, guard, checks, report, write)
             if not args.only or "grouped" in args.only:
                 compiled_section(tmp, args, dev, guard, checks, report, write)
         print_table(tok_s_table(cases))

@@ -13,7 +13,9 @@ from .planning.placement import Plan
 def load(model_dir, *, device=None, backend: str | None = None, plan: "Plan | str | None" = None,
          dtype: str | None = None, progress: bool = False, cache_gb: float | None = None,
          cache_policy: str | None = None, experts: str | None = None, host_cache_gb: float | None = None,
-         lookahead: int = 0, lookahead_from: str = "output", disk_read: str = "direct", **budget):
+         lookahead: int = 0, lookahead_from: str = "output", disk_read: str = "direct",
+         expert_compute: str = "auto", link_gbps: float | None = None, host_gbps: float | None = None,
+         host_gflops: float | None = None, **budget):
     """Build a model from a local checkpoint straight into its plan; returns (model, plan), as a `Loaded` handle:
     `model, plan = mo.load(...)` as always, or `with mo.load(...) as loaded:` (`loaded.model`, `loaded.plan`,
     `loaded.runtime`), which closes it at the end: worker threads stopped, hooks removed, host arena and caches
@@ -35,13 +37,18 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: "Plan | st
     `lookahead_from`: "output" (default) or "attention" (guesses from layer l's residual after attention, before its
     MoE: a whole expert step earlier, a worse guess).
     `disk_read`: "direct" (default: O_DIRECT, our caches decide) or "mmap" (the page cache decides, as llama.cpp).
+    `expert_compute`: "auto" (default: per layer step, the cost model chooses whether offloaded experts are computed
+    on the host, where their bytes lie, or travel to the device; on a machine without a link, as CPU-only, they are
+    read where they lie as before), "host" or "device"; `link_gbps`, `host_gbps`, `host_gflops`: the cost model's
+    rates (measured when not given: the host's once per machine, cached; the link on CUDA).
     """
     from .loading.loader import load as _load
 
     return _load(model_dir, device=device, backend=backend, plan=plan, dtype=dtype, progress=progress,
                  cache_gb=cache_gb, cache_policy=cache_policy, experts=experts,
                  host_cache_gb=host_cache_gb, lookahead=lookahead, lookahead_from=lookahead_from,
-                 disk_read=disk_read, **budget)
+                 disk_read=disk_read, expert_compute=expert_compute, link_gbps=link_gbps, host_gbps=host_gbps,
+                 host_gflops=host_gflops, **budget)
 
 
 def transform_weights(model, fn, *, names=None):

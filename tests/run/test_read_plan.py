@@ -132,7 +132,7 @@ def test_every_source_occurs(recorded):
     """The model was built so that each source serves some read: this test would not see a source that vanished."""
     plans, _, _, _ = recorded
     seen = {r.source for plan in plans for t in plan.tensors for r in t.reads}
-    assert seen == set(Source)
+    assert seen == set(Source) - {Source.HOST_COMPUTE}   # no host compute here: test_host_compute.py has it
     prefill = plans[:3]    # no cache, no look-ahead on a prefill: the link and the disk
     assert {r.source for plan in prefill for t in plan.tensors for r in t.reads} == \
         {Source.RESIDENT, Source.HOST_ROW, Source.DISK}

@@ -107,6 +107,22 @@ def _runtime_options(p: argparse.ArgumentParser) -> None:
                         "rows; longer prefills by the eager loop); eager: the experts class's own loop (the model's "
                         "arithmetic, as transformers); grouped: one inductor-compiled gather-GEMV per projection. "
                         "Tokens are identical to the model loaded with nothing offloaded under the same choice")
+    p.add_argument("--expert-compute", choices=["auto", "host", "device"], default="auto",
+                   help="where offloaded experts are computed. auto (default): per layer step, as the cost model "
+                        "chooses (host compute time from the host's measured read bandwidth and FLOP rate against "
+                        "streaming the bytes over the link): a decode step's off-device experts computed by the CPU "
+                        "kernels where they lie, a long prefill's sent to the device; on a CPU-only machine the "
+                        "device is the host, so as before. host: always on the host (only activations cross the "
+                        "link). device: always on the device (their bytes travel)")
+    p.add_argument("--link-gbps", type=float, metavar="X",
+                   help="host link bandwidth in GB/s (1e9 bytes/s) for the cost model (default: measured on CUDA); "
+                        "bench also adds link ms per token from the measured bytes")
+    p.add_argument("--host-gbps", type=float, metavar="X",
+                   help="the host's read bandwidth in GB/s for the cost model (default: measured once per machine, "
+                        "cached in ~/.cache/moe-offload/host-rates.json)")
+    p.add_argument("--host-gflops", type=float, metavar="X",
+                   help="the host's FLOP rate of the experts kernels in GFLOP/s for the cost model (default: "
+                        "measured once per machine, cached)")
     p.add_argument("--compile", action="store_true",
                    help="decode through the compiled step (torch.compile, static KV cache; CUDA graphs on CUDA): "
                         "the first step compiles (compile_s, reported apart), later ones run the graph")
@@ -162,8 +178,6 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", metavar="FILE", help="one prompt per line (default: the built-in varied prompts)")
     b.add_argument("--same-prompt", action="store_true",
                    help="give every sequence the first prompt (flatters batched link traffic; labelled as such)")
-    b.add_argument("--link-gbps", type=float, metavar="X",
-                   help="host link bandwidth in GB/s (1e9 bytes/s): adds link ms per token from the measured bytes")
     b.add_argument("--threads", type=int, metavar="N", help="CPU threads for torch while measuring (default: torch's)")
     b.add_argument("--json", metavar="FILE", help="write the rows as one JSON list to FILE (`-`: stdout)")
     b.add_argument("--plot", metavar="FILE.png", help="write a two-panel chart: tok/s and link bytes per token")

@@ -40,7 +40,9 @@ def load_for_cli(args, **extra):
                        progress=not getattr(args, "json", False) and sys.stderr.isatty(), **placement,
                        cache_gb=args.cache_gb, cache_policy=args.cache_policy, experts=args.experts,
                        host_cache_gb=args.host_cache_gb, lookahead=args.lookahead,
-                       lookahead_from=args.lookahead_from, disk_read=args.disk_read, **extra)
+                       lookahead_from=args.lookahead_from, disk_read=args.disk_read,
+                       expert_compute=args.expert_compute, link_gbps=args.link_gbps, host_gbps=args.host_gbps,
+                       host_gflops=args.host_gflops, **extra)
     return model, plan, tokenizer
 
 
@@ -51,6 +53,7 @@ def cmd_generate(args) -> int:
 
     from ..run.device_cache import cache_stats
     from ..run.host_cache import host_cache_stats
+    from ..run.host_compute import host_compute_stats
     from ..run.lookahead import lookahead_stats
     from ..run.runtime import runtime_of
     from ..planning.placement import format_bytes
@@ -81,6 +84,7 @@ def cmd_generate(args) -> int:
     kwargs["streamer"] = clock = TokenClock(runtime.device)   # when each token came: the first step compiles
     runtime.counter.reset()
     runtime.disk_counter.reset()
+    runtime.activation_counter.reset()
     start = time.perf_counter()
     with torch.no_grad(), decoding(model) if args.compile else contextlib.nullcontext():
         out = model.generate(**enc, **kwargs)
@@ -114,6 +118,12 @@ def cmd_generate(args) -> int:
         # lookahead (N), lookahead_hits, lookahead_misses, lookahead_wasted_bytes_per_token,
         # lookahead_cancelled_bytes_per_token, lookahead_recall
         **lookahead_stats(runtime.lookahead, max(len(runtime.counter.calls) - 1, 0)),
+        # expert_compute, host_compute_steps, device_compute_steps, experts_on_host; of host_link_bytes_per_token,
+        # the activations host compute sent and the weights
+        **host_compute_stats(runtime.host_compute),
+        "link_activation_bytes_per_token": runtime.activation_counter.decode_bytes_per_token(),
+        "link_weight_bytes_per_token": runtime.counter.decode_bytes_per_token()
+        - runtime.activation_counter.decode_bytes_per_token(),
     }
     if args.json:
         print(json.dumps(result))
@@ -143,6 +153,12 @@ def cmd_generate(args) -> int:
               f"{format_bytes(result['lookahead_wasted_bytes_per_token'])} per token read ahead in vain, "
               f"{format_bytes(result['lookahead_cancelled_bytes_per_token'])} of wrong guesses dropped unread",
               file=sys.stderr)
+    if runtime.host_compute is not None:
+        print(f"-- expert compute {result['expert_compute']}: {result['host_compute_steps']} layer steps computed "
+              f"their {result['experts_on_host']} off-device experts on the host, {result['device_compute_steps']} "
+              f"sent them to the device; of the link bytes per decoded token "
+              f"{format_bytes(result['link_activation_bytes_per_token'])} were activations, "
+              f"{format_bytes(result['link_weight_bytes_per_token'])} weights", file=sys.stderr)
     if runtime.cache is not None:
         print(f"-- device cache {result['cache_policy']} of {format_bytes(result['cache_bytes'])} "
               f"({format_bytes(result['cache_device_bytes'])} carved): {result['cache_hits']} hits, "
@@ -183,7 +199,8 @@ def cmd_bench(args) -> int:
                      cache_gb=args.cache_gb, cache_policy=args.cache_policy, stats=routing_stats(args.stats),
                      plan=plan, progress=sys.stderr.isatty(), experts=args.experts, compile=args.compile,
                      host_cache_gb=args.host_cache_gb, lookahead=args.lookahead,
-                     lookahead_from=args.lookahead_from, disk_read=args.disk_read)
+                     lookahead_from=args.lookahead_from, disk_read=args.disk_read,
+                     expert_compute=args.expert_compute, host_gbps=args.host_gbps, host_gflops=args.host_gflops)
     to_stdout = args.json == "-"
     print_table(rows, Console(stderr=True) if to_stdout else None)  # stdout holds only the JSON with --json -
     # Both outputs or neither: the plot (the one that can fail on content) first, then the JSON.

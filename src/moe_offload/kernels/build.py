@@ -41,7 +41,12 @@ def _digest(flags: str) -> str:   # the source is the installed package's own: r
 
 
 def build_dir() -> Path:
-    root = os.environ.get("MOE_OFFLOAD_KERNELS_DIR") or Path.home() / ".cache" / "moe-offload" / "kernels"
+    return _build_dir(os.environ.get("MOE_OFFLOAD_KERNELS_DIR"), os.environ.get("HOME"))
+
+
+@lru_cache(maxsize=8)
+def _build_dir(given: str | None, home: str | None) -> Path:   # asked on every kernel call: made once per setting
+    root = given or Path.home() / ".cache" / "moe-offload" / "kernels"
     return Path(root) / f"torch-{torch.__version__.replace('+', '_')}-{_digest(' '.join(CFLAGS))}"
 
 

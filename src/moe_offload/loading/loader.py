@@ -16,6 +16,8 @@ dequantized on the way; the runtime dequantizes them on the compute device at us
 
 from __future__ import annotations
 
+import sys
+
 import contextlib
 import dataclasses
 from pathlib import Path
@@ -65,7 +67,9 @@ def _parameters_on_meta():
 def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str | Path | None = None,
          dtype: str | None = None, progress: bool = False, cache_gb: float | None = None,
          cache_policy: str | None = None, experts: str | None = None, host_cache_gb: float | None = None,
-         lookahead: int = 0, lookahead_from: str = "output", disk_read: str = "direct", **budget):
+         lookahead: int = 0, lookahead_from: str = "output", disk_read: str = "direct",
+         expert_compute: str = "auto", link_gbps: float | None = None, host_gbps: float | None = None,
+         host_gflops: float | None = None, **budget):
     """Build, load and attach a runtime. Returns (model, plan).
 
     `budget`: offload_gb, device_memory_gb, reserve_gb, policy, offload_params, batch (as `moe_offload.plan`).
@@ -82,6 +86,9 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     `experts`: how selected experts are computed, "eager" (the class's loop, default), "grouped" (run/grouped.py),
     "fused" (moe-offload's CPU kernels on the stored format, run/fused.py) or "auto" (fused where the kernels run,
     else eager, saying why; the command line's default).
+    `expert_compute`: where offloaded experts are computed, "auto" (per layer step by the cost model,
+    planning/cost_model.py, where there is a link), "host" or "device" (run/host_compute.py); `link_gbps`,
+    `host_gbps`, `host_gflops`: the cost model's rates, measured when not given (the link on CUDA only).
     """
     from ..run.auditor import audit
     from ..run.compute import ExpertsCompute, ExpertsMode, resolve_experts
@@ -89,6 +96,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     from ..run.experts import is_experts_module
     from ..run.grouped import check_kernels
     from ..run.host_cache import HostCache, carve, host_cache_bytes
+    from ..run.host_compute import compute_options, host_compute_for
     from ..run.lookahead import SOURCES, Lookahead
     from ..storage.mapped import MODES
     from ..errors import AuditError
@@ -123,6 +131,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
         raise MoeOffloadError(f"lookahead={lookahead!r}: give a whole number of layers ahead, 0 for off")
     if lookahead_from not in SOURCES:
         raise MoeOffloadError(f"lookahead_from={lookahead_from!r}: use {' or '.join(SOURCES)}")
+    compute_options(expert_compute, link_gbps, host_gbps, host_gflops)
 
     source = "the plan"
     if isinstance(plan, (str, Path)):
@@ -182,7 +191,11 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
                           disk=disk, experts=experts,
                           host_cache=HostCache(cache_policy, host_cache) if host_cache else None,
                           lookahead=Lookahead(lookahead, source=lookahead_from) if lookahead and _offloads_experts(plan)
-                          else None)
+                          else None,
+                          host_compute=host_compute_for(expert_compute, dev, arena,
+                                                        offloads_experts=_offloads_experts(plan), link_gbps=link_gbps,
+                                                        host_gbps=host_gbps, host_gflops=host_gflops,
+                                                        progress=_tell))
         runtime.attach()
         set_runtime(model, runtime)
         mismatches = audit(model, plan)
@@ -230,6 +243,11 @@ def _load_generation_config(model: nn.Module, folder: Path) -> None:
 
     if (folder / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(folder), local_files_only=True)
+
+
+def _tell(line: str) -> None:
+    """One-time measurements and builds say so on stderr (stdout may carry --json)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _offloads_experts(plan: Plan) -> bool:

@@ -20,6 +20,7 @@ from .arms import Arm
 from .readback import applied_settings, device_resident_bytes
 from .timing import Run, measured_link_bytes, timing_fields
 from ..run.runtime import runtime_of
+from ..run.host_compute import host_compute_stats
 
 
 def measure(model, enc, runs: int, max_new_tokens: int, device: torch.device, describe, advance, *,
@@ -37,8 +38,9 @@ def measure(model, enc, runs: int, max_new_tokens: int, device: torch.device, de
         for i in range(runs + 1):
             describe("warm-up" if i == 0 else f"run {i}/{runs}")
             runtime_of(model).counter.reset()
-            if i <= 1:   # the disk counter keeps every measured run (the warm-up's steps dropped)
+            if i <= 1:   # the disk counter keeps every measured run (the warm-up's steps dropped); so do activations
                 runtime_of(model).disk_counter.reset()
+                runtime_of(model).activation_counter.reset()
             cache = runtime_of(model).cache
             if cache is not None:
                 cache.reset()
@@ -139,6 +141,9 @@ def make_row(arm: Arm, c: int, runs: list[Run], model, plan, *, prompts: list[st
         # of which read from the checkpoint by the disk tier (disk_tier.py), the rest over the host link
         "disk_read_bytes_per_token": rt.disk_counter.decode_bytes_per_token(c),
         "host_link_bytes_per_token": link - rt.disk_counter.decode_bytes_per_token(c),
+        # of the host link's bytes, the activations host compute sent (run/host_compute.py); the rest were weights
+        "link_activation_bytes_per_token": rt.activation_counter.decode_bytes_per_token(c),
+        **host_compute_stats(rt.host_compute),
         "disk_staging_bytes": rt.disk.staging_bytes if rt.disk is not None else 0,
         "planned_link_bytes_per_token": plan.link_bytes_per_token(c),
         # the same placement and routing with every offloaded tensor at 2 bytes per element (quantized: what

@@ -149,20 +149,31 @@ class TokenBytes:
         return host, disk
 
     def step_bytes(self, layer: int, experts: Iterable[int], device_hits: Iterable[int] = (),
-                   host_hits: Iterable[int] = ()) -> tuple[int, int]:
+                   host_hits: Iterable[int] = (), on_host: Iterable[int] = ()) -> tuple[int, int]:
         """(host, disk) bytes one step of routed layer `layer` reads for its distinct `experts`: each expert's
         offloaded bytes from the tier that holds them; nothing for a device-cache hit (`device_hits`); the disk
-        bytes of a host-cache hit (`host_hits`) from host memory, so counted as host bytes. The runtime charges
-        every staged layer step with this (run/experts.py), replay sums the same arrays over a trace."""
+        bytes of a host-cache hit (`host_hits`) from host memory, so counted as host bytes. An expert computed on the
+        host (`on_host`) sends no weight over the link: its disk bytes are still read from disk (unless the host
+        cache held them), its host bytes are not link bytes. The runtime charges every staged layer step with this
+        (run/read_plan.py), replay sums the same arrays over a trace."""
         if layer not in self.layers:
             return 0, 0
-        i = self.layers.index(layer)
-        skip, moved = set(device_hits), set(host_hits)
+        host_of, disk_of = self._rows(layer)
+        skip, moved, local = set(device_hits), set(host_hits), set(on_host)
         ids = [e for e in experts if e not in skip]
-        host = int(self.expert_host[i, ids].sum()) if ids else 0
-        disk = int(self.expert_disk[i, ids].sum()) if ids else 0
-        from_host = int(self.expert_disk[i, [e for e in ids if e in moved]].sum()) if moved else 0
-        return host + from_host, disk - from_host
+        linked = [e for e in ids if e not in local]
+        host = sum(host_of[e] for e in linked)
+        disk = sum(disk_of[e] for e in ids if e not in moved)
+        from_host = sum(disk_of[e] for e in linked if e in moved)
+        return host + from_host, disk
+
+    def _rows(self, layer: int) -> tuple[list[int], list[int]]:
+        """(host, disk) bytes per expert of `layer` as Python lists, made once (charged at every layer step)."""
+        cache = self.__dict__.setdefault("_row_lists", {})
+        if layer not in cache:
+            i = self.layers.index(layer)
+            cache[layer] = (self.expert_host[i].tolist(), self.expert_disk[i].tolist())
+        return cache[layer]
 
     # --- expectations ------------------------------------------------------------------------------------
     def expected(self, batch: int = 1, frequencies: Mapping[int, Sequence[float]] | None = None

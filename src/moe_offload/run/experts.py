@@ -115,6 +115,20 @@ class ExpertsState:
         # A decode step with a device cache reads each selected expert from its cache pages when it holds it
         # (device_cache.py), so even uva's whole host tensors are then gathered rather than read in place.
         cached = rt.cache_step and bool(self.offloaded or self.disk) and rt.cache.serves(self.layer)
+        hc = rt.host_compute
+        if hc is not None and self.layer is not None and hc.serves(module, self):
+            # Host compute (host_compute.py): the plan asks the cost model which off-device experts the host computes.
+            selected, local = Selected.of(top_k_index)
+            plan = plan_step(rt, self, selected, cached, host=hc.side(rt, self, selected, hidden_states))
+            if plan.host is not None:
+                plan.charge(rt)
+                self._end_lookahead(plan)
+                return hc.run(rt, self, module, plan, hidden_states, top_k_weights, fused, self.quant)
+            staged, local, count = self.gather(module, top_k_index, cached, dequantize=not fused,
+                                               planned=(selected, local, plan))
+            view = _StagedExperts(module, staged, count)
+            return rt.compute(module, staged, hidden_states, local, top_k_weights, view=view, decode=decode,
+                              quant=quant)
         # With a look-ahead, a decode step gathers too: its predicted experts come from the rows copied ahead.
         ahead = rt.lookahead is not None and rt.decode_step
         if rt.reads.in_place and not self.split and not cached and (fused or not self.quant) and not self.disk \
@@ -127,23 +141,29 @@ class ExpertsState:
         view = _StagedExperts(module, staged, count)
         return rt.compute(module, staged, hidden_states, local, top_k_weights, view=view, decode=decode, quant=quant)
 
+    def _end_lookahead(self, plan) -> None:
+        rt = self.runtime
+        if rt.lookahead is not None and rt.decode_step and (self.disk or self.offloaded):
+            rt.lookahead.end_layer(self.layer, plan.below())     # what the guesses saved
+
     @torch.compiler.disable
-    def gather(self, module, top_k_index, cached: bool, dequantize: bool = True):
+    def gather(self, module, top_k_index, cached: bool, dequantize: bool = True, planned=None):
         """The U selected experts gathered into reused buffers, each from the tier that holds it, and the routing
         renumbered 0..U-1: (local name -> [U, ...] stack, local ids [T, k], U). Data-dependent (which experts,
         where they lie): it runs eagerly, an edge of a compiled decode step (compiled.py). `dequantize`: quantized
-        tensors become the compute dtype (else they stay as stored, scales beside them, for the fused kernels)."""
+        tensors become the compute dtype (else they stay as stored, scales beside them, for the fused kernels).
+        `planned`: (selection, renumbered routing, read plan) made already (host compute chose the device)."""
         rt = self.runtime
         # The eager loop then visits them in the same ascending order, with the same values (bit-identical
         # arithmetic); the grouped kernels index the gathered stack with the renumbered ids. The selected ids are
         # read to the host once (Selected.of): the read plan is made on that list (read_plan.py), charged once, and
         # carried out by one executor (read_executor.py).
-        selected, local = Selected.of(top_k_index)
-        plan = plan_step(rt, self, selected, cached)
+        selected, local, plan = planned if planned is not None else (*Selected.of(top_k_index), None)
+        if plan is None:
+            plan = plan_step(rt, self, selected, cached)
         plan.charge(rt)
         staged = execute(rt, self, plan)
-        if rt.lookahead is not None and rt.decode_step and (self.disk or self.offloaded):
-            rt.lookahead.end_layer(self.layer, plan.below())     # what the guesses saved
+        self._end_lookahead(plan)
         if self.quant and dequantize:   # the gathered stored bytes -> the compute dtype (quant_weights.py)
             rt.dequantizer.selected_experts(module, self.quant, staged, selected.index)
         elif self.quant:                # kept as stored: the resident ones' rows (and scales) renumbered too

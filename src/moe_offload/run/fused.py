@@ -70,12 +70,23 @@ def fused_experts(module: nn.Module, tensors: Mapping[str, torch.Tensor], quant:
     """The experts module's output for [T, H] hidden states routed to top_k_index [T, k] (ids into the stacks of
     `tensors`, default the module's own), every projection by the kernels (`isa`: the path, resolved once by the
     caller; default the best here)."""
+    return experts_math(module, tensors, kernel_project(module, tensors, quant, isa), hidden_states, top_k_index,
+                        top_k_weights)
+
+
+def kernel_project(module: nn.Module, tensors: Mapping[str, torch.Tensor], quant: Mapping, isa: Isa | None,
+                   rows: Mapping[str, torch.Tensor] | None = None):
+    """grouped.experts_math's `project` by the kernels over the stacks of `tensors` (default the module's own).
+    `rows`: local name -> int64 [E] the row of each expert id in that stack (the ids of a pair are then expert ids:
+    host compute reads host stacks and resident stacks in place this way); without it the ids index the stacks."""
     transposed = bool(getattr(module, "is_transposed", False))
 
     def project(name: str, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         s = stack(module, tensors, quant, name)
+        if rows is not None and name in rows:
+            ids = rows[name][ids]
         # x: [S, K] -> [S, O] float32, rounded to the model's dtype as grouped.py's kernels round
         return expert_gemv(x, s, ids, transposed=transposed and not isinstance(s, (Fp8Stack, Mxfp4Stack)),
                            isa=isa).to(x.dtype)
 
-    return experts_math(module, tensors, project, hidden_states, top_k_index, top_k_weights)
+    return project

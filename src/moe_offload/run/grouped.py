@@ -69,26 +69,37 @@ def experts_math(module: nn.Module, tensors: dict[str, torch.Tensor], project: C
                  top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """Everything of an experts module's forward around its two projections, for all S = T * k pairs at once:
     `project(name, ids [S], x [S, K])` -> [S, O] in x's dtype computes `name`'s expert ids[s] on x[s] (this
-    module's gather-GEMV, or the CPU kernels of fused.py)."""
-    def get(name):
-        return tensors[name] if name in tensors else getattr(module, name)
+    module's gather-GEMV, or the CPU kernels of fused.py). The pairs' weighted outputs are summed per token in slot
+    order (`sum_pairs`): where each pair was computed does not change the sum (host compute sums them so too)."""
+    def rows(name, ids):
+        return (tensors[name] if name in tensors else getattr(module, name))[ids]
 
     k = top_k_index.size(-1)
-    tokens = hidden_states.size(0)
     x = hidden_states.repeat_interleave(k, dim=0)            # [S, H]
-    ids = top_k_index.reshape(-1)                            # [S]
+    out = pair_outputs(module, rows, project, x, top_k_index.reshape(-1), top_k_weights.reshape(-1))
+    return sum_pairs(out, hidden_states.size(0), k, hidden_states.dtype)
+
+
+def pair_outputs(module: nn.Module, rows: Callable, project: Callable, x: torch.Tensor, ids: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor:
+    """The weighted output [S, O] of each (token, expert) pair: x [S, H] through expert ids[s] (`project` as in
+    experts_math; `rows(name, ids)` -> [S, ...] the rows of a per-expert tensor such as a bias), times weights[s]."""
     up = "gate_up_proj" if module.has_gate else "up_proj"
     h = project(up, ids, x)
     if module.has_bias:
-        h = h + get(up + "_bias")[ids]
+        h = h + rows(up + "_bias", ids)
     h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
     out = project("down_proj", ids, h)
     if module.has_bias:
-        out = out + get("down_proj_bias")[ids]
+        out = out + rows("down_proj_bias", ids)
     if module.has_post_expert_norm:
         out = module.post_expert_norm(out)
-    out = out * top_k_weights.reshape(-1, 1).to(out.dtype)
-    return out.view(tokens, k, -1).sum(1).to(hidden_states.dtype)
+    return out * weights.reshape(-1, 1).to(out.dtype)
+
+
+def sum_pairs(out: torch.Tensor, tokens: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, O]: each token's k pair outputs (rows t*k .. t*k+k-1 of `out`) summed, in the model's dtype."""
+    return out.view(tokens, k, -1).sum(1).to(dtype)
 
 
 def grouped_experts(module: nn.Module, tensors: dict[str, torch.Tensor], hidden_states: torch.Tensor,

@@ -15,6 +15,8 @@ order, so the eager loop's arithmetic is the model's own whatever lies where):
                   each); admitted experts' rows then go into the host cache's pages, and the landed rows to the
                   device, one copy per run
     admissions    last, once every row has landed: admitted experts' rows into the device cache's pages
+    HOST_COMPUTE  nothing: the host's kernels read the host row in place (host_compute.py); a disk-tier row of an
+                  expert computed on the host lands in host memory and stays there (`landed`)
 
 A page copy views a row as uint8 pages of the cache's page size (every cached row is a whole number of them).
 """
@@ -37,11 +39,24 @@ if TYPE_CHECKING:
 
 def execute(rt: "RunState", state: ExpertsLike, plan: StepPlan) -> dict[str, torch.Tensor]:
     """The plan's copies: local name -> the gathered [U, ...] stack of each offloaded tensor of the step."""
-    count = len(plan.selected.ids)
-    return {t.name: _tensor(rt, state, t, count) for t in plan.tensors}
+    return execute_sides(rt, state, plan)[0]
 
 
-def _tensor(rt: "RunState", state: ExpertsLike, t: TensorReads, count: int) -> torch.Tensor:
+def execute_sides(rt: "RunState", state: ExpertsLike, plan: StepPlan, skip_resident=frozenset()
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the gathered stacks, the host rows landed per disk-tier tensor: [U, ...] in host memory, position i the
+    i-th selected expert's row where it was read from below the device). `skip_resident`: tensors whose resident
+    rows are not gathered (the device's kernels read that stack in place)."""
+    count, landed = len(plan.selected.ids), {}
+    on_host = set(plan.on_host)
+    staged = {t.name: _tensor(rt, state, t, count, t.name in skip_resident, on_host, landed) for t in plan.tensors
+              if not all(r.source is Source.HOST_COMPUTE or (r.source is Source.RESIDENT and t.name in skip_resident)
+                         for r in t.reads)}    # a tensor with nothing to copy has no gathered stack
+    return staged, landed
+
+
+def _tensor(rt: "RunState", state: ExpertsLike, t: TensorReads, count: int, skip_resident: bool, on_host: set,
+            landed: dict) -> torch.Tensor:
     if t.on_disk:
         src = state.disk[t.name]
         out = rt.buffer(("rows", t.name, src.shape[1:], src.dtype), (count, *src.shape[1:]), src.dtype)
@@ -50,7 +65,7 @@ def _tensor(rt: "RunState", state: ExpertsLike, t: TensorReads, count: int) -> t
         out = rt.rows_buffer(t.name, host, count)
     dev = out.device
     resident = t.of(Source.RESIDENT)
-    if resident:
+    if resident and not skip_resident:
         stack = state.split[t.name].resident
         out.index_copy_(0, index_tensor([r.position for r in resident], dev),
                         stack.index_select(0, index_tensor([r.row for r in resident], dev)))
@@ -58,7 +73,7 @@ def _tensor(rt: "RunState", state: ExpertsLike, t: TensorReads, count: int) -> t
     if cached:
         _pages_in(rt.cache.arena, out, cached)
     if t.on_disk:
-        _disk_rows(rt, state, t, out)
+        _disk_rows(rt, state, t, out, on_host, landed)
     else:
         linked = t.of(Source.HOST_ROW)
         if linked:
@@ -87,8 +102,10 @@ def _pages_in(arena: torch.Tensor, out: torch.Tensor, reads: list) -> None:
                      arena.index_select(0, index_tensor([p for r in reads for p in r.pages], dev)))
 
 
-def _disk_rows(rt: "RunState", state: ExpertsLike, t: TensorReads, out: torch.Tensor) -> None:
-    """A disk-tier tensor's rows from below the device: landed in host memory, then on the device."""
+def _disk_rows(rt: "RunState", state: ExpertsLike, t: TensorReads, out: torch.Tensor, on_host: set,
+               landed: dict) -> None:
+    """A disk-tier tensor's rows from below the device: landed in host memory, then on the device (but those of
+    experts computed on the host)."""
     below = t.of(Source.HOST_PAGE, Source.AHEAD, Source.DISK)
     if not below:
         return
@@ -106,7 +123,8 @@ def _disk_rows(rt: "RunState", state: ExpertsLike, t: TensorReads, out: torch.Te
                          t.ahead.rows.index_select(0, index_tensor([r.row for r in ahead], land.device)))
     for position, pages in t.admit_host:    # admitted by the host cache's policy: into the pages it claimed
         rt.host_cache.store(list(pages), land[position])
+    landed[t.name] = land
     if land is not out:                     # synchronous: the staging is reused by the next read
-        positions = sorted(r.position for r in below)
+        positions = sorted(r.position for r in below if r.expert not in on_host)
         for p, _, n in row_runs(positions, positions):
             out[p:p + n].copy_(land[p:p + n])

@@ -16,9 +16,15 @@ tier, quantized experts to dequantize) is planned here, then carried out by one 
         AHEAD        the rows the look-ahead started for this step             link (host tier) or disk (disk tier)
         HOST_PAGE    the host cache's pages (a disk-tier expert)               link (from host memory)
         DISK         the checkpoint                                            disk
+        HOST_COMPUTE the host stack, read in place by the host's kernels       none (the expert is computed on the
+                                                                               host: only activations cross)
 
                   and the admissions: rows to copy into the device cache's or the host cache's claimed pages once
-                  they have landed.
+                  they have landed. With host compute (host_compute.py) the experts that lie wholly off the device
+                  and that the device cache neither holds nor admits may be computed on the host, as the cost model
+                  chooses for the step (`HostSide`): a host-tier row is then read in place by the host's kernels
+                  (HOST_COMPUTE), a disk-tier row lands in host memory and stays there (HOST_PAGE, AHEAD, DISK with
+                  no link), and the step's activations are charged to the link instead.
     charge        the counters, once per layer step, from the plan: accounting.TokenBytes.step_bytes of the selected
                   experts with the plan's device-cache hits and host-cache hits, the definition replay sums over a
                   trace; so the runtime's counts equal replay's by construction, whichever rows the bytes come from.
@@ -56,16 +62,20 @@ class Source(Enum):
     AHEAD = "look-ahead row"
     HOST_PAGE = "host-cache page"
     DISK = "disk"
+    HOST_COMPUTE = "computed on the host"
 
 
 class Counter(Enum):
-    """The runtime's byte counters: the host link's and the disk tier's."""
+    """The runtime's byte counters: the host link's, the disk tier's, and of the host link's bytes those that were
+    activations (host compute: hidden states to the host, pair outputs back; the rest were weights)."""
 
     LINK = "link"
     DISK = "disk"
+    ACTIVATION = "activation"
 
     def of(self, rt: "RunState") -> "LinkCounter":
-        return rt.counter if self is Counter.LINK else rt.disk_counter
+        return {Counter.LINK: rt.counter, Counter.DISK: rt.disk_counter,
+                Counter.ACTIVATION: rt.activation_counter}[self]
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,16 @@ class TensorReads:
 
 
 @dataclass(frozen=True)
+class HostSide:
+    """The experts of a layer step computed on the host, and what crosses the link for them."""
+
+    experts: tuple[int, ...]        # ascending
+    pairs: tuple[int, ...]          # their (token, slot) pairs: positions in the step's slots, ascending
+    tokens: tuple[int, ...]         # the tokens with such a pair: their hidden states go to the host
+    activation_bytes: int           # those hidden states in, one output per pair back
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """Every read of one layer step, decided before anything is copied."""
 
@@ -105,6 +125,11 @@ class StepPlan:
     tensors: tuple[TensorReads, ...]
     device_hits: tuple[int, ...]   # experts served from the device cache's pages
     host_hits: tuple[int, ...]     # disk-tier experts served from the host cache's pages
+    host: HostSide | None = None   # the experts computed on the host (None: every expert on the device)
+
+    @property
+    def on_host(self) -> tuple[int, ...]:
+        return self.host.experts if self.host is not None else ()
 
     def below(self) -> list[int]:
         """The experts read from below the device (host link or disk; not a cache or a resident stack), ascending:
@@ -113,16 +138,24 @@ class StepPlan:
 
     def charge(self, rt: "RunState") -> None:
         """Charge the step's bytes, once (TokenBytes.step_bytes: every selected expert's offloaded bytes from its
-        tier, nothing for a device-cache hit, a host-cache hit's disk bytes from host memory)."""
-        host, disk = rt.token_bytes.step_bytes(self.layer, self.selected.ids, self.device_hits, self.host_hits)
-        Counter.LINK.of(rt).add(host)
+        tier, nothing for a device-cache hit, a host-cache hit's disk bytes from host memory, no weight bytes over
+        the link for an expert computed on the host; its activations instead)."""
+        host, disk = rt.token_bytes.step_bytes(self.layer, self.selected.ids, self.device_hits, self.host_hits,
+                                               self.on_host)
+        activations = self.host.activation_bytes if self.host is not None else 0
+        Counter.LINK.of(rt).add(host + activations)       # what crosses the host link: weights and activations
         Counter.DISK.of(rt).add(disk)
+        if activations:
+            Counter.ACTIVATION.of(rt).add(activations)    # of which activations (the JSON's split)
 
 
-def plan_step(rt: "RunState", state: ExpertsLike, selected: Selected, through_cache: bool) -> StepPlan:
+def plan_step(rt: "RunState", state: ExpertsLike, selected: Selected, through_cache: bool,
+              host=None) -> StepPlan:
     """The read plan of `state`'s layer step for its `selected` experts. `through_cache`: a decode step the device
-    cache serves (every offloaded expert tensor is then read through it). Runs the caches' policies (their
-    decisions are the step's), nothing else: no copy, no counter."""
+    cache serves (every offloaded expert tensor is then read through it). `host`: with host compute, a callable
+    given the experts that could be computed on the host (ascending) that returns their HostSide, or None to
+    compute them on the device (host_compute.HostCompute.side: the cost model's choice). Runs the caches' policies
+    (their decisions are the step's), nothing else: no copy, no counter."""
     layer, ids = state.layer, list(selected.ids)
     la = rt.lookahead if rt.lookahead is not None and rt.decode_step else None
     if la is not None and la.serves(layer):                      # the guesses not picked are dropped first
@@ -133,20 +166,30 @@ def plan_step(rt: "RunState", state: ExpertsLike, selected: Selected, through_ca
     off_device = [e for e in ids if dc is None or not dc.held(e)]
     hc = rt.host_cache if state.disk and rt.host_cache_step and rt.host_cache.serves(layer) else None
     hd = hc.decide(layer, off_device) if hc is not None else None
-    tensors = [_tensor_reads(state, name, False, ids, dc, None, la) for name in state.offloaded]
-    tensors += [_tensor_reads(state, name, True, ids, dc, hd, la) for name in state.disk]
+    side = host(_host_candidates(state, off_device, dc)) if host is not None else None
+    local = set(side.experts) if side is not None else set()
+    tensors = [_tensor_reads(state, name, False, ids, dc, None, la, local) for name in state.offloaded]
+    tensors += [_tensor_reads(state, name, True, ids, dc, hd, la, local) for name in state.disk]
     return StepPlan(layer, selected, tuple(tensors),
                     tuple(e for e in ids if dc is not None and dc.held(e)),
-                    tuple(e for e in off_device if hd is not None and hd.held(e)))
+                    tuple(e for e in off_device if hd is not None and hd.held(e)), side)
+
+
+def _host_candidates(state: ExpertsLike, off_device: list[int], dc: Decision | None) -> list[int]:
+    """The experts that may be computed on the host: every offloaded tensor holds them off the device, and the
+    device cache does not admit them (an admitted expert travels to fill its pages: the device computes it)."""
+    names = [*state.offloaded, *state.disk]
+    return [e for e in off_device if not (dc is not None and dc.admitted(e))
+            and all(state.split[n].where(e)[0] == Tier.HOST for n in names if n in state.split)]
 
 
 def _tensor_reads(state: ExpertsLike, name: str, on_disk: bool, ids: list[int], dc: Decision | None,
-                  hd: Decision | None, la) -> TensorReads:
+                  hd: Decision | None, la, local: set) -> TensorReads:
     split = state.split.get(name)
     places = [split.where(e) if split is not None else (Tier.HOST, e) for e in ids]   # HOST: off the device
     held = lambda d, e: d is not None and d.held(e)
-    wanted = [e for e, (tier, _) in zip(ids, places)
-              if tier == Tier.HOST and not held(dc, e) and not (on_disk and held(hd, e))]
+    wanted = [e for e, (tier, _) in zip(ids, places) if tier == Tier.HOST and not held(dc, e)
+              and not (on_disk and held(hd, e)) and not (e in local and not on_disk)]
     ahead = la.rows_ahead(state.layer, name, wanted) if la is not None and wanted else None
     tier_counter = Counter.DISK if on_disk else Counter.LINK
     reads, admit_device, admit_host = [], [], []
@@ -157,8 +200,11 @@ def _tensor_reads(state: ExpertsLike, name: str, on_disk: bool, ids: list[int], 
         if held(dc, e):
             reads.append(Read(i, e, Source.DEVICE_PAGE, pages=tuple(dc.pages_of(e, name))))
             continue
-        if on_disk and held(hd, e):
-            reads.append(Read(i, e, Source.HOST_PAGE, pages=tuple(hd.pages_of(e, name)), counter=Counter.LINK))
+        if e in local and not on_disk:     # computed on the host, from its host row in place
+            reads.append(Read(i, e, Source.HOST_COMPUTE, row))
+        elif on_disk and held(hd, e):
+            reads.append(Read(i, e, Source.HOST_PAGE, pages=tuple(hd.pages_of(e, name)),
+                              counter=None if e in local else Counter.LINK))
         elif ahead is not None and e in ahead.slots:
             reads.append(Read(i, e, Source.AHEAD, ahead.slots[e], counter=tier_counter))
         elif on_disk:

@@ -94,7 +94,7 @@ class Runtime(RunState):
                  host_tensors: dict[str, torch.Tensor] | None = None, plan=None,
                  splits: dict[str, ExpertSplit] | None = None, recorder: Recorder | None = None,
                  cache: "DeviceCache | None" = None, quant: dict | None = None, disk=None, experts="eager",
-                 host_cache=None, lookahead=None):
+                 host_cache=None, lookahead=None, host_compute=None):
 
         self.reads = backend_named(backend)   # the read strategy (read_uva.py / read_prefetch.py)
         # name -> quant_weights.QuantLayout of every tensor held quantized (values + scales as stored, in its tier);
@@ -102,7 +102,7 @@ class Runtime(RunState):
         self.quant = dict(quant or {})
         super().__init__(device=device, backend=backend, recorder=recorder, cache=cache, disk=disk,
                          dequantizer=Dequantizer(device, self.quant) if self.quant else None, experts=experts,
-                         host_cache=host_cache, lookahead=lookahead)
+                         host_cache=host_cache, lookahead=lookahead, host_compute=host_compute)
         self.model = model
         self.arena = arena
         self.host_names = dict(host_names)  # in-memory name -> tier ("host"/"disk"), tracked by name
@@ -120,7 +120,8 @@ class Runtime(RunState):
     def mechanism(self) -> str:
         disk = f"; {self.disk.mechanism}" if self.disk is not None else ""
         quant = self.dequantizer.mechanism if self.dequantizer is not None else ""
-        return f"{self.reads.link_mechanism(self.device)}{disk}{quant}; {self.compute.mechanism}"
+        where = f"; {self.host_compute.mechanism}" if self.host_compute is not None else ""
+        return f"{self.reads.link_mechanism(self.device)}{disk}{quant}; {self.compute.mechanism}{where}"
 
     @property
     def host_bytes(self) -> int:
@@ -239,6 +240,8 @@ class Runtime(RunState):
         self.detach()
         if self.lookahead is not None:
             self.lookahead.close()
+        if self.host_compute is not None:
+            self.host_compute.close()
         if self.disk is not None:
             self.disk.close()
         self._staging.clear()
@@ -262,6 +265,7 @@ class Runtime(RunState):
         self.routed.clear()
         self.counter.discard_pending()
         self.disk_counter.discard_pending()
+        self.activation_counter.discard_pending()
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs.get("inputs_embeds")
@@ -296,6 +300,7 @@ class Runtime(RunState):
         tokens, decode = self.step_tokens, getattr(self, "_decode", None)
         self.counter.end_call(tokens, decode)
         self.disk_counter.end_call(tokens, decode)
+        self.activation_counter.end_call(tokens, decode)
         if self.recorder is not None:
             routed = {layer: index.cpu() for layer, index in sorted(self.routed.items())}
             self.routed.clear()

@@ -101,7 +101,7 @@ class RunState:
     """One loaded model's reading state: device and backend, counters, staging buffers, hook handles, routing."""
 
     def __init__(self, *, device: torch.device, backend: str, recorder: Recorder | None = None, cache=None,
-                 disk=None, dequantizer=None, experts=ExpertsMode.EAGER, host_cache=None, lookahead=None):
+                 disk=None, dequantizer=None, experts=ExpertsMode.EAGER, host_cache=None, lookahead=None, host_compute=None):
         self.device = device
         self.backend = backend
         self.compute = experts if isinstance(experts, ExpertsCompute) else ExpertsCompute(experts)
@@ -109,6 +109,7 @@ class RunState:
         # The disk tier (disk_tier.DiskTier) or None; its reads are counted apart from the host link's.
         self.disk = disk
         self.disk_counter = LinkCounter()
+        self.activation_counter = LinkCounter()   # of the host link's bytes, the activations host compute sent
         self.routes: list = []    # uva in place: read_plan.InPlaceRead of each layer step, charged at the call's end
         # Called with each forward call's routing (RoutedCall) when set; `routed` collects it during the call.
         self.recorder: Recorder | None = recorder
@@ -121,6 +122,8 @@ class RunState:
         self.host_cache_step = False
         # run/lookahead.Lookahead (predicted offloaded experts read N layers ahead), or None; decode steps only.
         self.lookahead = lookahead
+        # host_compute.HostCompute (offloaded experts computed on the host, as the cost model chooses), or None.
+        self.host_compute = host_compute
         self.decode_step = False  # the call under way is a decode step (one new token per sequence, cache not empty)
         self.step_tokens = 1      # new tokens per sequence of the call under way (1: a decode step)
         # quant_weights.Dequantizer of the tensors held quantized, or None: they become the compute dtype on the
@@ -208,11 +211,15 @@ class Selected:
 
     ids: tuple[int, ...]
     index: torch.Tensor
+    slots: tuple[int, ...] = ()   # the expert of each (token, slot) pair, row-major [T * k] (from the same read)
+    k: int = 0                    # slots per token
 
     @classmethod
     def of(cls, top_k_index: torch.Tensor) -> tuple["Selected", torch.Tensor]:
         """(the selection, the routing renumbered 0..U-1 [T, k]) of a layer step's top_k_index [T, k]."""
-        picked = cls.of_ids(sorted(set(top_k_index.reshape(-1).tolist())), top_k_index.device)
+        slots = top_k_index.reshape(-1).tolist()
+        ids = sorted(set(slots))
+        picked = cls(tuple(ids), index_tensor(ids, top_k_index.device), tuple(slots), top_k_index.size(-1))
         return picked, torch.searchsorted(picked.index, top_k_index)
 
     @classmethod

@@ -236,6 +236,17 @@ class HostArena:
     def owns(self, t: torch.Tensor) -> bool:
         return any(s.contains(t) for s in self.slabs)
 
+    def host_alias(self, t: torch.Tensor) -> torch.Tensor:
+        """The host tensor behind a device-visible view of one of the slabs (uva): the same bytes, for the CPU to
+        read in place (host compute). A cpu tensor is its own."""
+        if t.device.type == "cpu":
+            return t
+        for slab in self.slabs:
+            if slab.view is not None and slab.contains(t):
+                off = t.data_ptr() - slab.view.data_ptr()
+                return slab.host[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        raise ValueError(f"a {tuple(t.shape)} tensor on {t.device} is not a view of this arena's host memory")
+
     def release(self) -> None:
         """Unpin and drop every slab now (only once nothing reads the model's offloaded weights)."""
         self._finalizer()
