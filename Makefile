@@ -62,6 +62,8 @@ bench: setup model engines
 	$(BIN)/python benchmarks/kernel_bench.py
 	$(BIN)/python benchmarks/step_bench.py
 	$(BIN)/python benchmarks/released_bench.py
+	$(BIN)/python benchmarks/host_compute_bench.py
+	$(BIN)/python benchmarks/host_compute_predict.py
 	$(BIN)/python benchmarks/lookahead_bench.py
 	$(BIN)/python benchmarks/serve_bench.py
 

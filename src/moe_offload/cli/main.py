@@ -140,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensors", action="store_true", help="also list every tensor with its role, density and tier")
     p.add_argument("--save", metavar="PLAN.json", help="save the plan (load it with `moe_offload.load(plan=...)`)")
     _device_option(p)
+    p.add_argument("--link-gbps", type=float, metavar="X",
+                   help="the host -> device link in GB/s for the expert-compute crossover (default: measured on this "
+                        "machine's CUDA device; on a CPU-only machine there is no link)")
+    p.add_argument("--host-gbps", type=float, metavar="X",
+                   help="the host's read bandwidth in GB/s for the crossover (default: measured once, cached)")
+    p.add_argument("--host-gflops", type=float, metavar="X",
+                   help="the host's experts-kernel FLOP rate in GFLOP/s for the crossover (default: measured once)")
     p.set_defaults(func=cmd_plan)
 
     g = sub.add_parser("generate", help="greedy decoding with the model loaded into its plan")

@@ -32,9 +32,67 @@ def cmd_plan(args) -> int:
 
             Console().print(tensors_table(p))
         print_plan(p)
+        crossover = _crossover(args, p)
+        if crossover:
+            print(crossover)
         if args.save:
             print(f"plan saved to {args.save}")
     return 0
+
+
+def _crossover(args, plan) -> str | None:
+    """The expert-compute line of `plan`: from how many tokens per step the off-device experts travel to the device
+    rather than being computed on the host (planning/cost_model.crossover_tokens, uniform routing)."""
+    import math
+    import sys
+
+    from ..planning.cost_model import Hardware, crossover_tokens, expected_step, layer_shape
+
+    for flag, v in (("--link-gbps", args.link_gbps), ("--host-gbps", args.host_gbps),
+                    ("--host-gflops", args.host_gflops)):
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise MoeOffloadError(f"{flag} {v} is not a rate: give a positive number")
+    shape = layer_shape(plan)
+    cpu = cpu_only_device(args.device)
+    if cpu and args.link_gbps is not None:
+        raise MoeOffloadError(f"--link-gbps {args.link_gbps} for a CPU-only plan: a CPU has no link, its experts are "
+                              "read in place; drop --link-gbps, or plan for an accelerator (--device cuda)")
+    if shape is None:
+        return None
+    if cpu:
+        return "expert compute: CPU only, the device is the host: offloaded experts are computed where they lie"
+    link = args.link_gbps * 1e9 if args.link_gbps is not None else _measured_link(args.device)
+    if link is None:
+        return ("expert compute: give --link-gbps X (PCIe 4 x16 about 25, PCIe 5 about 50) for the tokens per step "
+                "from which offloaded experts travel to the device rather than being computed on the host")
+    from ..kernels.host_rates import measure
+
+    say = lambda line: print(line, file=sys.stderr, flush=True)   # noqa: E731
+    rates = measure(progress=say) if args.host_gbps is None or args.host_gflops is None else None
+    hw = Hardware(args.host_gbps * 1e9 if args.host_gbps is not None else rates.bytes_per_s,
+                  args.host_gflops * 1e9 if args.host_gflops is not None else rates.flops_per_s, link)
+    n, one = crossover_tokens(hw, shape), expected_step(hw, shape, 1)
+    where = (f"computed on the host up to {n - 1} tokens per step, sent to the device from {n}" if n and n > 1
+             else "sent to the device at every step size" if n == 1 else "computed on the host at every step size")
+    return (f"expert compute (auto, cost model; uniform routing): off-device experts are {where} (host "
+            f"{hw.host_bytes_per_s / 1e9:.1f} GB/s and {hw.host_flops_per_s / 1e9:.0f} GFLOP/s, link {link / 1e9:.1f} "
+            f"GB/s; a decode step's layer: host {one.host_s * 1e3:.3g} ms, streamed {one.stream_s * 1e3:.3g} ms)")
+
+
+def _measured_link(device: str | None) -> float | None:
+    """This machine's link to the planned device, measured once (kernels/host_rates.py), when it is a CUDA device
+    here; None otherwise (a plan for another machine: give --link-gbps)."""
+    import torch
+
+    try:
+        dev = torch.device(device) if device else (torch.device("cuda") if torch.cuda.is_available() else None)
+    except (RuntimeError, TypeError):
+        return None
+    if dev is None or dev.type != "cuda" or not torch.cuda.is_available():
+        return None
+    from ..kernels.host_rates import link_bytes_per_s
+
+    return link_bytes_per_s(dev)
 
 
 def cmd_replay(args) -> int:
