@@ -52,3 +52,22 @@ def unwritable_dir(tmp_path: Path) -> Path:
     folder = tmp_path / "read-only"
     folder.mkdir(mode=0o500)
     return folder
+
+
+# decode picks of layers 0 and 1 of QWEN3_CONFIG's model for the replay CLI tests; expert 0 of layer 0 is the
+# favourite (5 of 6 tokens), expert 3 never picked
+REPLAY_ROWS = [((0, 1), (0, 2)), ((0, 2), (1, 2)), ((0, 1), (2, 0)), ((1, 2), (0, 1)), ((0, 2), (2, 1)),
+               ((0, 1), (0, 2))]
+
+
+def write_replay_files(folder: Path) -> Path:
+    """QWEN3_CONFIG's config.json and a trace of one prefill row and REPLAY_ROWS' decode rows, in `folder`."""
+    import json
+
+    from moe_offload.formats.traces import TraceHeader, TraceRow, write_trace
+
+    (folder / "config.json").write_text(json.dumps(QWEN3_CONFIG))
+    rows = [TraceRow(0, 0, "prefill", ((0, 1), (0, 1)))]
+    rows += [TraceRow(0, 1 + i, "decode", r) for i, r in enumerate(REPLAY_ROWS)]
+    write_trace(folder / "trace.jsonl", TraceHeader("qwen3_moe", 4, 2, (0, 1), "test"), rows)
+    return folder

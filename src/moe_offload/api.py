@@ -15,7 +15,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: "Plan | st
          cache_policy: str | None = None, experts: str | None = None, host_cache_gb: float | None = None,
          lookahead: int = 0, lookahead_from: str = "output", disk_read: str = "direct",
          expert_compute: str = "auto", link_gbps: float | None = None, host_gbps: float | None = None,
-         host_gflops: float | None = None, **budget):
+         host_gflops: float | None = None, measure_host: bool = False, **budget):
     """Build a model from a local checkpoint straight into its plan; returns (model, plan), as a `Loaded` handle:
     `model, plan = mo.load(...)` as always, or `with mo.load(...) as loaded:` (`loaded.model`, `loaded.plan`,
     `loaded.runtime`), which closes it at the end: worker threads stopped, hooks removed, host arena and caches
@@ -40,7 +40,8 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: "Plan | st
     `expert_compute`: "auto" (default: per layer step, the cost model chooses whether offloaded experts are computed
     on the host, where their bytes lie, or travel to the device; on a machine without a link, as CPU-only, they are
     read where they lie as before), "host" or "device"; `link_gbps`, `host_gbps`, `host_gflops`: the cost model's
-    rates (measured when not given: the host's once per machine, cached; the link on CUDA).
+    rates (measured when not given: the host's once per machine, cached, again with `measure_host=True`; the link
+    on CUDA).
     """
     from .loading.loader import load as _load
 
@@ -48,7 +49,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: "Plan | st
                  cache_gb=cache_gb, cache_policy=cache_policy, experts=experts,
                  host_cache_gb=host_cache_gb, lookahead=lookahead, lookahead_from=lookahead_from,
                  disk_read=disk_read, expert_compute=expert_compute, link_gbps=link_gbps, host_gbps=host_gbps,
-                 host_gflops=host_gflops, **budget)
+                 host_gflops=host_gflops, measure_host=measure_host, **budget)
 
 
 def transform_weights(model, fn, *, names=None):

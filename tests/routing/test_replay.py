@@ -21,7 +21,7 @@ from moe_offload.planning.placement import GiB
 from moe_offload.routing.replay import access_keys, replay, replay_routing
 from moe_offload.formats.traces import Trace, TraceHeader, TraceRow, routing_array, write_trace
 from fixtures_records import EMBED, FINAL_NORM, LM_HEAD, gb, layer, make_inv
-from fixtures_cli import QWEN3_CONFIG, run_cli as run
+from fixtures_cli import REPLAY_ROWS, write_replay_files, QWEN3_CONFIG, run_cli as run
 
 INV = make_inv([EMBED, *layer(0), *layer(1), FINAL_NORM, LM_HEAD])
 STATS = {0: [10, 0, 5, 5], 1: [3, 3, 7, 7]}
@@ -103,16 +103,12 @@ FIELDS = {"tokens": int, "link_bytes_per_token": float, "expert_reads": int, "ca
           "policy": str, "cache_policy": (str, type(None)), "offloaded_bytes": int, "cache_bytes": int,
           "host_link_bytes_per_token": float, "disk_read_bytes_per_token": float}
 # decode picks of layers 0 and 1; expert 0 of layer 0 is the favourite (5 of 6 tokens), expert 3 never picked
-CLI_ROWS = [((0, 1), (0, 2)), ((0, 2), (1, 2)), ((0, 1), (2, 0)), ((1, 2), (0, 1)), ((0, 2), (2, 1)), ((0, 1), (0, 2))]
+CLI_ROWS = REPLAY_ROWS
 
 
 @pytest.fixture
 def files(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
-    rows = [TraceRow(0, 0, "prefill", ((0, 1), (0, 1)))]
-    rows += [TraceRow(0, 1 + i, "decode", r) for i, r in enumerate(CLI_ROWS)]
-    write_trace(tmp_path / "trace.jsonl", TraceHeader("qwen3_moe", 4, 2, (0, 1), "test"), rows)
-    return tmp_path
+    return write_replay_files(tmp_path)
 
 
 

@@ -15,14 +15,14 @@ import json
 import numpy as np
 import pytest
 
-from moe_offload.formats.traces import Trace, TraceHeader, TraceRow, routing_array, write_trace
+from moe_offload.formats.traces import Trace, TraceHeader, TraceRow, routing_array
 from moe_offload.planning.cost_model import ExpertCompute, Hardware, step_cost
 from moe_offload.planning.placement import GiB
 from moe_offload.planning.planner import plan
 from moe_offload.routing.cache_policy import make_cache
 from moe_offload.routing.replay import replay, replay_routing, walk_caches
 from moe_offload.routing.replay_compute import compute_replay, compute_shape, replay_compute
-from fixtures_cli import QWEN3_CONFIG, QWEN3_EXPERT, run_cli as run
+from fixtures_cli import REPLAY_ROWS, QWEN3_EXPERT, run_cli as run, write_replay_files
 from fixtures_records import EMBED, FINAL_NORM, LM_HEAD, gb, layer, make_inv
 
 INV = make_inv([EMBED, *layer(0), *layer(1), FINAL_NORM, LM_HEAD])
@@ -244,16 +244,12 @@ def test_many_tokens_are_fast():
 
 EXPERT = QWEN3_EXPERT
 # decode picks of layers 0 and 1 (test_replay.py's)
-CLI_ROWS = [((0, 1), (0, 2)), ((0, 2), (1, 2)), ((0, 1), (2, 0)), ((1, 2), (0, 1)), ((0, 2), (2, 1)), ((0, 1), (0, 2))]
+CLI_ROWS = REPLAY_ROWS
 
 
 @pytest.fixture
 def files(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(QWEN3_CONFIG))
-    rows = [TraceRow(0, 0, "prefill", ((0, 1), (0, 1)))]
-    rows += [TraceRow(0, 1 + i, "decode", r) for i, r in enumerate(CLI_ROWS)]
-    write_trace(tmp_path / "trace.jsonl", TraceHeader("qwen3_moe", 4, 2, (0, 1), "test"), rows)
-    return tmp_path
+    return write_replay_files(tmp_path)
 
 
 def replay_cli(capsys, folder, *options):

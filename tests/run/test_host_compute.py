@@ -6,7 +6,6 @@ follows the cost model; the worker leaves nothing behind."""
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 
 import pytest
@@ -14,9 +13,9 @@ import torch
 
 import moe_offload as mo
 from fixtures_models import BACKENDS, load, prompt_ids
+from fixtures_placement import recorded_plans, three_tier_plan
 from moe_offload.planning.cost_model import ExpertCompute, Hardware
-from moe_offload.planning.placement import GiB, Tier
-from moe_offload.run import experts as experts_module
+from moe_offload.planning.placement import GiB
 from moe_offload.run.host_compute import HostCompute
 from moe_offload.run.read_plan import Source
 from moe_offload.tiny.make import make_tiny
@@ -36,17 +35,7 @@ def folder(tmp_path_factory):
 def _plan(folder, layout: str):
     """whole: every routed expert on the host tier; split: layer 0 split device/host, layer 1 on the host, layer 2
     split device/disk (its disk rows land in host memory and are computed there)."""
-    def place(t):
-        if t.role != "routed_expert":
-            return t
-        if layout == "whole" or t.layer == 1:
-            return dataclasses.replace(t, tier=Tier.HOST.value)
-        ids = SPLIT[t.name.rpartition(".")[2]]
-        tier = Tier.HOST if t.layer == 0 else Tier.DISK
-        return dataclasses.replace(t, tier=tier.value, host_experts=len(ids), host_expert_ids=ids)
-
-    p0 = mo.plan(folder, offload_gb=0)
-    return dataclasses.replace(p0, tensors=tuple(place(t) for t in p0.tensors))
+    return three_tier_plan(folder, SPLIT, layout)
 
 
 def _generate(model, ids):
@@ -71,6 +60,26 @@ def test_logits_equal_the_resident_model_under_the_same_kernels(folder, resident
         hc = loaded.runtime.host_compute
         assert hc.steps[ExpertCompute.HOST] > 0 and hc.experts_on_host > 0
     assert torch.equal(got[0], resident[0]) and torch.equal(got[1], resident[1])
+
+
+@pytest.mark.exact
+@pytest.mark.parametrize("quant", [None, "mxfp4"])
+def test_gpt_oss_biases_and_mxfp4_experts_computed_on_the_host(tmp_path, quant):
+    """gpt-oss: per-expert biases beside the weights (offloaded with them) and, as released, MXFP4 experts read as
+    stored by the host's kernels; every expert on the host, the logits equal the resident model's."""
+    folder = make_tiny(tmp_path / "gpt_oss", family="gpt_oss", layers=2, experts=4, top_k=2, hidden=64,
+                       **({"quant": quant} if quant else {}))
+    ids = prompt_ids(folder, 6)
+    with load(folder, offload_gb=0, experts="fused") as loaded:
+        want = _generate(loaded.model, ids)
+    experts = mo.plan(folder, offload_gb=0).roles()["routed_expert"]["bytes"]
+    with load(folder, offload_gb=experts / GiB, offload_params="experts", experts="fused",
+              expert_compute="host") as loaded:
+        got = _generate(loaded.model, ids)
+        assert loaded.runtime.host_compute.experts_on_host > 0
+        assert loaded.runtime.counter.decode_bytes_per_token() == \
+            loaded.runtime.activation_counter.decode_bytes_per_token()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.exact
@@ -122,20 +131,9 @@ def test_auto_follows_the_cost_model_per_step(folder, resident):
         rt.host_compute.close()
         rt.host_compute = HostCompute(ExpertCompute.AUTO, Hardware(host_bytes_per_s=1e12, host_flops_per_s=1e9,
                                                                    link_bytes_per_s=1e9))
-        sides = []
-        real = experts_module.plan_step
-
-        def keep(*args, **kw):
-            plan = real(*args, **kw)
-            sides.append((rt.decode_step, plan.host is not None))
-            return plan
-
-        mp = pytest.MonkeyPatch()
-        mp.setattr(experts_module, "plan_step", keep)
-        try:
+        with recorded_plans() as plans:
             got = _generate(loaded.model, prompt_ids(folder, 8))
-        finally:
-            mp.undo()
+        sides = [(len(p.selected.slots) == K, p.host is not None) for p in plans]   # (a decode step, on the host)
     assert sides[:LAYERS] == [(False, False)] * LAYERS             # the prefill: on the device
     assert sides[LAYERS:] == [(True, True)] * (LAYERS * (NEW - 1))  # each decode step: on the host
     assert torch.equal(got[0], resident[0])
@@ -143,19 +141,8 @@ def test_auto_follows_the_cost_model_per_step(folder, resident):
 
 def test_the_plan_names_host_compute_as_a_source(folder):
     with load(folder, plan=_plan(folder, "split"), experts="fused", expert_compute="host") as loaded:
-        plans = []
-        real = experts_module.plan_step
-
-        def keep(*args, **kw):
-            plans.append(real(*args, **kw))
-            return plans[-1]
-
-        mp = pytest.MonkeyPatch()
-        mp.setattr(experts_module, "plan_step", keep)
-        try:
+        with recorded_plans() as plans:
             _generate(loaded.model, prompt_ids(folder, 8))
-        finally:
-            mp.undo()
     for plan in plans:
         for t in plan.tensors:
             for r in t.reads:
@@ -170,19 +157,8 @@ def test_the_plan_names_host_compute_as_a_source(folder):
 def test_a_device_cache_keeps_its_hits_and_admissions_on_the_device(folder):
     with load(folder, plan=_plan(folder, "whole"), experts="fused", expert_compute="host", cache_gb=12 * 18432 / GiB,
               cache_policy="lru") as loaded:
-        plans = []
-        real = experts_module.plan_step
-
-        def keep(*args, **kw):
-            plans.append(real(*args, **kw))
-            return plans[-1]
-
-        mp = pytest.MonkeyPatch()
-        mp.setattr(experts_module, "plan_step", keep)
-        try:
+        with recorded_plans() as plans:
             _generate(loaded.model, prompt_ids(folder, 8))
-        finally:
-            mp.undo()
         assert loaded.runtime.cache.policy.hits > 0
     for plan in plans:
         assert not set(plan.on_host) & set(plan.device_hits)

@@ -4,17 +4,15 @@ activations the runtime also counts there), activation bytes, disk bytes, and th
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-import moe_offload as mo
 from fixtures_models import load
+from fixtures_placement import three_tier_plan
 from moe_offload.formats.traces import TraceWriter, read_trace
 from moe_offload.loading.loader import load_tokenizer
 from moe_offload.measure.profile import record, trace_header
 from moe_offload.planning.cost_model import ExpertCompute, Hardware
-from moe_offload.planning.placement import GiB, Tier
+from moe_offload.planning.placement import GiB
 from moe_offload.routing.replay_compute import compute_replay
 from moe_offload.tiny.make import make_tiny
 
@@ -30,26 +28,11 @@ def folder(tmp_path_factory):
                      top_k=K, hidden=32)
 
 
-def _plan(folder):
-    """layer 0 split device/host, layer 1 on the host, layer 2 split device/disk."""
-    def place(t):
-        if t.role != "routed_expert":
-            return t
-        if t.layer == 1:
-            return dataclasses.replace(t, tier=Tier.HOST.value)
-        ids = SPLIT[t.name.rpartition(".")[2]]
-        tier = Tier.HOST if t.layer == 0 else Tier.DISK
-        return dataclasses.replace(t, tier=tier.value, host_experts=len(ids), host_expert_ids=ids)
-
-    p0 = mo.plan(folder, offload_gb=0)
-    return dataclasses.replace(p0, tensors=tuple(place(t) for t in p0.tensors))
-
-
 @pytest.mark.parametrize("caches", [{}, dict(cache_gb=3 * EXPERT / GiB, host_cache_gb=2 * EXPERT / GiB,
                                              cache_policy="heat")], ids=["no cache", "both caches"])
 @pytest.mark.parametrize("mode", ["host", "device"])
 def test_runtime_equals_replay(folder, tmp_path, mode, caches):
-    plan = _plan(folder)
+    plan = three_tier_plan(folder, SPLIT)
     with load(folder, plan=plan, experts="fused", expert_compute=mode, **caches) as loaded:
         rt = loaded.runtime
         path = tmp_path / "trace.jsonl"

@@ -6,15 +6,12 @@ counters equal the plans' charges; the tokens equal the resident model's."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-import moe_offload as mo
 from fixtures_models import load, prompt_ids
-from moe_offload.planning.placement import GiB, Tier
-from moe_offload.run import experts as experts_module
+from fixtures_placement import recorded_plans, three_tier_plan
+from moe_offload.planning.placement import GiB
 from moe_offload.run.read_plan import Counter, Source
 from moe_offload.run.runtime import runtime_of
 from moe_offload.tiny.make import make_tiny
@@ -29,20 +26,6 @@ NEW = 8
 def folder(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("read-plan") / "qwen3_moe", family="qwen3_moe", layers=3, experts=E,
                      top_k=K, hidden=32)
-
-
-def _plan(folder):
-    def place(t):
-        if t.role != "routed_expert":
-            return t
-        if t.layer == 1:
-            return dataclasses.replace(t, tier=Tier.HOST.value)
-        ids = SPLIT[t.name.rpartition(".")[2]]
-        tier = Tier.HOST if t.layer == 0 else Tier.DISK
-        return dataclasses.replace(t, tier=tier.value, host_experts=len(ids), host_expert_ids=ids)
-
-    p0 = mo.plan(folder, offload_gb=0)
-    return dataclasses.replace(p0, tensors=tuple(place(t) for t in p0.tensors))
 
 
 class Every:
@@ -68,24 +51,12 @@ def recorded(folder):
     resident, _ = load(folder, offload_gb=0)
     want = _generate(resident, ids)
     size = 2 * EXPERT / GiB
-    model, _ = load(folder, plan=_plan(folder), backend="prefetch", cache_gb=size, host_cache_gb=size,
+    model, _ = load(folder, plan=three_tier_plan(folder, SPLIT), backend="prefetch", cache_gb=size, host_cache_gb=size,
                     cache_policy="lru", lookahead=1)
     rt = runtime_of(model)
     rt.lookahead.predictor = Every()
-    plans = []
-    real = experts_module.plan_step
-
-    def keep(*args):
-        plan = real(*args)
-        plans.append(plan)
-        return plan
-
-    mp = pytest.MonkeyPatch()
-    mp.setattr(experts_module, "plan_step", keep)
-    try:
+    with recorded_plans() as plans:
         got = _generate(model, ids)
-    finally:
-        mp.undo()
     return plans, rt, got, want
 
 

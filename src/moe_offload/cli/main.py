@@ -123,6 +123,9 @@ def _runtime_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-gflops", type=float, metavar="X",
                    help="the host's FLOP rate of the experts kernels in GFLOP/s for the cost model (default: "
                         "measured once per machine, cached)")
+    p.add_argument("--measure-host", action="store_true",
+                   help="measure the host's rates again for the cost model (they are cached per machine and thread "
+                        "count; a BIOS, memory or load change may move them)")
     p.add_argument("--compile", action="store_true",
                    help="decode through the compiled step (torch.compile, static KV cache; CUDA graphs on CUDA): "
                         "the first step compiles (compile_s, reported apart), later ones run the graph")

@@ -42,7 +42,7 @@ def load_for_cli(args, **extra):
                        host_cache_gb=args.host_cache_gb, lookahead=args.lookahead,
                        lookahead_from=args.lookahead_from, disk_read=args.disk_read,
                        expert_compute=args.expert_compute, link_gbps=args.link_gbps, host_gbps=args.host_gbps,
-                       host_gflops=args.host_gflops, **extra)
+                       host_gflops=args.host_gflops, measure_host=args.measure_host, **extra)
     return model, plan, tokenizer
 
 
@@ -200,7 +200,8 @@ def cmd_bench(args) -> int:
                      plan=plan, progress=sys.stderr.isatty(), experts=args.experts, compile=args.compile,
                      host_cache_gb=args.host_cache_gb, lookahead=args.lookahead,
                      lookahead_from=args.lookahead_from, disk_read=args.disk_read,
-                     expert_compute=args.expert_compute, host_gbps=args.host_gbps, host_gflops=args.host_gflops)
+                     expert_compute=args.expert_compute, host_gbps=args.host_gbps, host_gflops=args.host_gflops,
+                     measure_host=args.measure_host)
     to_stdout = args.json == "-"
     print_table(rows, Console(stderr=True) if to_stdout else None)  # stdout holds only the JSON with --json -
     # Both outputs or neither: the plot (the one that can fail on content) first, then the JSON.

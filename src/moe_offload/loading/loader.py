@@ -69,7 +69,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
          cache_policy: str | None = None, experts: str | None = None, host_cache_gb: float | None = None,
          lookahead: int = 0, lookahead_from: str = "output", disk_read: str = "direct",
          expert_compute: str = "auto", link_gbps: float | None = None, host_gbps: float | None = None,
-         host_gflops: float | None = None, **budget):
+         host_gflops: float | None = None, measure_host: bool = False, **budget):
     """Build, load and attach a runtime. Returns (model, plan).
 
     `budget`: offload_gb, device_memory_gb, reserve_gb, policy, offload_params, batch (as `moe_offload.plan`).
@@ -88,7 +88,8 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     else eager, saying why; the command line's default).
     `expert_compute`: where offloaded experts are computed, "auto" (per layer step by the cost model,
     planning/cost_model.py, where there is a link), "host" or "device" (run/host_compute.py); `link_gbps`,
-    `host_gbps`, `host_gflops`: the cost model's rates, measured when not given (the link on CUDA only).
+    `host_gbps`, `host_gflops`: the cost model's rates, measured when not given (the link on CUDA only; the host once
+    per machine, cached, again with `measure_host`).
     """
     from ..run.auditor import audit
     from ..run.compute import ExpertsCompute, ExpertsMode, resolve_experts
@@ -195,6 +196,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
                           host_compute=host_compute_for(expert_compute, dev, arena,
                                                         offloads_experts=_offloads_experts(plan), link_gbps=link_gbps,
                                                         host_gbps=host_gbps, host_gflops=host_gflops,
+                                                        measure_again=measure_host,
                                                         progress=_tell))
         runtime.attach()
         set_runtime(model, runtime)

@@ -106,7 +106,7 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str | None = None,
               plan: Plan | None = None, progress: bool = False, experts: str | None = None,
               compile: bool = False, host_cache_gb: float | None = None, lookahead: int = 0,
               lookahead_from: str = "output", disk_read: str = "direct", expert_compute: str = "auto",
-              host_gbps: float | None = None, host_gflops: float | None = None,
+              host_gbps: float | None = None, host_gflops: float | None = None, measure_host: bool = False,
               log: Callable[[str], None] | None = None) -> list[dict]:
     """Measure every arm at every concurrency level; one row per (arm, concurrency), in that order.
 
@@ -232,7 +232,8 @@ def run_bench(model_dir, *, arms: Sequence[Arm] | str | None = None,
                               cache_policy=cache_policy, experts=experts, host_cache_gb=host_cache_gb,
                               lookahead=lookahead, lookahead_from=lookahead_from, disk_read=disk_read,
                               expert_compute=expert_compute, link_gbps=link_gbps, host_gbps=host_gbps,
-                              host_gflops=host_gflops, **arm.load_kwargs(budget, stats, plan))
+                              host_gflops=host_gflops, measure_host=measure_host and not rows,
+                              **arm.load_kwargs(budget, stats, plan))
                 model, applied = loaded
                 try:
                     for c in levels:

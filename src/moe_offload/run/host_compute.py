@@ -199,7 +199,8 @@ class HostCompute:
         """pair_outputs' `rows`: a per-expert tensor's rows for expert ids (biases), from a stack or the module."""
         def get(name: str, ids: torch.Tensor) -> torch.Tensor:
             if name in tensors:
-                return tensors[name][rows[name][ids]]
+                table = rows.get(name)
+                return tensors[name][ids if table is None else table[ids]]
             key = (id(module), name)
             if key not in self._small:
                 self._small[key] = {}
@@ -274,7 +275,7 @@ def compute_options(mode, link_gbps=None, host_gbps=None, host_gflops=None) -> E
 
 
 def host_compute_for(mode, device: torch.device, arena, *, offloads_experts: bool, link_gbps=None, host_gbps=None,
-                     host_gflops=None, progress=None) -> HostCompute | None:
+                     host_gflops=None, measure_again: bool = False, progress=None) -> HostCompute | None:
     """The runtime's HostCompute for load's `expert_compute` (auto, host, device) and rates, or None: `device`, a
     plan that offloads no routed expert, or `auto` on a CPU-only machine (the device reads host memory in place: host
     compute could only add a hand-off), or without a link it knows. `auto` measures what is not given: the link on an accelerator, the host's rates once per machine
@@ -293,7 +294,7 @@ def host_compute_for(mode, device: torch.device, arena, *, offloads_experts: boo
     kernels(progress=progress)      # the host's kernels: KernelUnavailable (an `error:`) when they cannot build
     if mode is ExpertCompute.HOST:
         return HostCompute(mode, None, arena)
-    rates = measure(progress=progress) if host_gbps is None or host_gflops is None else None
+    rates = measure(again=measure_again, progress=progress) if host_gbps is None or host_gflops is None else None
     hardware = Hardware(host_gbps * 1e9 if host_gbps is not None else rates.bytes_per_s,
                         host_gflops * 1e9 if host_gflops is not None else rates.flops_per_s, link)
     return HostCompute(mode, hardware, arena)
