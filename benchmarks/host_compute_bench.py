@@ -23,7 +23,7 @@ bytes per token are the runtime's counters (on a CPU nothing crosses a link: the
     .venv/bin/python benchmarks/host_compute_bench.py [--quick] [--models a,b] [--tokens 32]
 
 --quick: Qwen3 only, 1 thread, 16 tokens; bench-out/ only. Otherwise bench-out/ and docs/ (host_compute.json,
-host_compute.md).
+host_compute_bench.md).
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     out.mkdir(exist_ok=True)
     (out / "host_compute.json").write_text(json.dumps(result, indent=1))
     if not args.quick:
-        (ROOT / "docs" / "host_compute.md").write_text(text)
+        (ROOT / "docs" / "host_compute_bench.md").write_text(text)
     return 0
 
 

@@ -14,7 +14,7 @@ ASSUMPTIONS below and in the markdown this writes.
 
     .venv/bin/python benchmarks/host_compute_predict.py [--tokens 256] [--out bench-out] [--doc docs]
 
-Writes bench-out/host_compute_predict.json and docs/host_compute_predictions.md.
+Writes bench-out/host_compute_predict.json and docs/host_compute_predict_bench.md.
 """
 
 from __future__ import annotations
@@ -281,7 +281,7 @@ def main() -> None:
     (args.out / "host_compute_predict.json").write_text(json.dumps(
         {"predictions_not_measurements": True, "formula": FORMULA, "assumptions": ASSUMPTIONS, "tokens": args.tokens,
          "measured_hit_rates": rates, "goal": goal, "rows": rows}, indent=1))
-    (args.doc / "host_compute_predictions.md").write_text(markdown(rows, args.tokens, rates, goal))
+    (args.doc / "host_compute_predict_bench.md").write_text(markdown(rows, args.tokens, rates, goal))
     print(f"goal (host compute >= 2x streaming, Qwen3-30B-A3B, 24 GB, PCIe 4, host 80 GB/s): "
           f"{goal['host_over_streaming']:.2f}x, {'holds' if goal['holds'] else 'does not hold'} "
           f"({time.perf_counter() - start:.0f} s)")

@@ -45,6 +45,7 @@ import torch
 import torch.nn as nn
 
 from .grouped import original_forward
+from .chunked import chunked_step, too_big
 from .read_executor import execute
 from .read_plan import InPlaceRead, plan_step
 from .state import RunState, Selected
@@ -137,7 +138,13 @@ class ExpertsState:
             # counted on the device at the end of the forward call (no read back during the step).
             rt.routes.append(InPlaceRead(self.layer, top_k_index.detach()))
             return rt.compute(module, {}, hidden_states, top_k_index, top_k_weights, decode=decode, quant=quant)
-        staged, local, count = self.gather(module, top_k_index, cached, dequantize=not fused)
+        planned = None
+        if not rt.decode_step and not cached:   # a prefill: staged a chunk at a time when it would not fit (chunked.py)
+            selected, local = Selected.of(top_k_index)
+            if too_big(self, selected):
+                return chunked_step(self, module, selected, hidden_states, top_k_weights)
+            planned = (selected, local, None)
+        staged, local, count = self.gather(module, top_k_index, cached, dequantize=not fused, planned=planned)
         view = _StagedExperts(module, staged, count)
         return rt.compute(module, staged, hidden_states, local, top_k_weights, view=view, decode=decode, quant=quant)
 

@@ -37,6 +37,7 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 GROUPED_MAX_ROWS = 8   # sequences of a decode step up to which it is computed grouped
 RECOMPILE_LIMIT = 64   # kernels a runtime may compile (row counts x gathered-stack specialisations x dtypes)
@@ -100,6 +101,30 @@ def pair_outputs(module: nn.Module, rows: Callable, project: Callable, x: torch.
 def sum_pairs(out: torch.Tensor, tokens: int, k: int, dtype: torch.dtype) -> torch.Tensor:
     """[T, O]: each token's k pair outputs (rows t*k .. t*k+k-1 of `out`) summed, in the model's dtype."""
     return out.view(tokens, k, -1).sum(1).to(dtype)
+
+
+def loop_project(module: nn.Module, tensors, position: dict[int, int], experts: list[int]):
+    """experts_math's `project` as the eager loop computes: per distinct expert, one matrix product of its pairs
+    (`experts`: each pair's expert, on the host; a gathered stack holds expert e at `position[e]`)."""
+    transposed = bool(getattr(module, "is_transposed", False))
+
+    def project(name: str, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        gathered = name in tensors
+        stack = tensors[name] if gathered else getattr(module, name)
+        groups: dict[int, list[int]] = {}
+        for s, e in enumerate(experts):
+            groups.setdefault(e, []).append(s)
+        out = None
+        for e, members in groups.items():
+            w = stack[position[e] if gathered else e]
+            at = torch.tensor(members, dtype=torch.long, device=x.device)
+            y = x.index_select(0, at) @ w if transposed else F.linear(x.index_select(0, at), w)
+            if out is None:
+                out = torch.empty((x.size(0), y.size(-1)), dtype=y.dtype, device=x.device)
+            out.index_copy_(0, at, y)
+        return out.to(x.dtype)
+
+    return project
 
 
 def grouped_experts(module: nn.Module, tensors: dict[str, torch.Tensor], hidden_states: torch.Tensor,

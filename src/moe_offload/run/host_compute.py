@@ -30,11 +30,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..planning.cost_model import ExpertCompute, Hardware, choose, step_cost
 from .fused import kernel_project, supports
-from .grouped import pair_outputs, sum_pairs
+from .grouped import loop_project, pair_outputs, sum_pairs
 from .read_executor import execute_sides
 from .read_plan import HostSide, Source, StepPlan
 from .state import index_tensor
@@ -192,7 +191,7 @@ class HostCompute:
         else:
             if quant:      # the gathered stored bytes -> the compute dtype (quant_weights.py)
                 rt.dequantizer.selected_experts(module, quant, staged, selected.index)
-            project = _loop_project(module, tensors, position, [selected.slots[s] for s in pairs])
+            project = loop_project(module, tensors, position, [selected.slots[s] for s in pairs])
         return pair_outputs(module, self._rows(module, tensors, rows, dev), project, x, ids, w)
 
     def _rows(self, module: nn.Module, tensors, rows, device):
@@ -233,30 +232,6 @@ def _row_map(experts: int, pairs: list[tuple[int, int]], device="cpu") -> torch.
     for e, r in pairs:
         rows[e] = r
     return torch.tensor(rows, dtype=torch.long, device=device)
-
-
-def _loop_project(module: nn.Module, tensors, position: dict[int, int], experts: list[int]):
-    """experts_math's `project` as the eager loop computes: per distinct expert, one matrix product of its pairs
-    (`experts`: each pair's expert, on the host; a gathered stack holds expert e at `position[e]`)."""
-    transposed = bool(getattr(module, "is_transposed", False))
-
-    def project(name: str, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        gathered = name in tensors
-        stack = tensors[name] if gathered else getattr(module, name)
-        groups: dict[int, list[int]] = {}
-        for s, e in enumerate(experts):
-            groups.setdefault(e, []).append(s)
-        out = None
-        for e, members in groups.items():
-            w = stack[position[e] if gathered else e]
-            at = index_tensor(members, x.device)
-            y = x.index_select(0, at) @ w if transposed else F.linear(x.index_select(0, at), w)
-            if out is None:
-                out = torch.empty((x.size(0), y.size(-1)), dtype=y.dtype, device=x.device)
-            out.index_copy_(0, at, y)
-        return out.to(x.dtype)
-
-    return project
 
 
 def compute_options(mode, link_gbps=None, host_gbps=None, host_gflops=None) -> ExpertCompute:

@@ -1,0 +1,79 @@
+"""The memory a moe-offload process takes before any weight: the interpreter, torch, transformers, the CPU kernels,
+a model's code. On a CPU-only machine `--device-memory X` bounds the whole process, so the plan takes this out of X
+beside the reserve (planner.plan's `runtime_bytes`); measured here, not guessed.
+
+Measured once per installation in a fresh subprocess (about three seconds): its resident set after importing torch,
+transformers and moe_offload, loading the kernels and building a small model of the family's code path, plus the
+C heap's slack. Cached in `~/.cache/moe-offload/process-memory.json` (`MOE_OFFLOAD_PROCESS_MEMORY` moves it), keyed
+by the Python, torch and transformers versions; a damaged cache is measured over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+_PROBE = r"""
+import torch, transformers, moe_offload
+from moe_offload.kernels import KernelUnavailable, kernels
+try:
+    kernels()
+except KernelUnavailable:
+    pass
+from moe_offload.tiny.make import make_tiny
+import tempfile, pathlib
+with tempfile.TemporaryDirectory() as d:
+    folder = make_tiny(pathlib.Path(d) / "m", family="qwen3_moe", layers=1, experts=4, top_k=2, hidden=32)
+    with moe_offload.load(folder, device="cpu", offload_gb=0) as loaded:
+        loaded.model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
+status = open("/proc/self/status").read()
+print(int(status.split("VmHWM:")[1].split()[0]) * 1024)
+"""
+
+
+def cache_path() -> Path:
+    given = os.environ.get("MOE_OFFLOAD_PROCESS_MEMORY")
+    return Path(given) if given else Path.home() / ".cache" / "moe-offload" / "process-memory.json"
+
+
+def _key() -> str:
+    import torch
+    import transformers
+
+    return f"python {platform.python_version()} | torch {torch.__version__} | transformers {transformers.__version__}"
+
+
+def runtime_bytes(progress=None) -> int:
+    """The peak resident bytes of a moe-offload process around a tiny model (its weights a few KiB): what every run
+    takes beside its weights, caches and buffers. Measured once per installation, cached."""
+    key, path = _key(), cache_path()
+    try:
+        known = json.loads(path.read_text())
+        if not isinstance(known, dict):
+            known = {}
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known.get(key), int):
+        return known[key]
+    if progress is not None:
+        progress(f"measuring what a moe-offload process takes beside its weights (once: cached in {path})")
+    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if out.returncode != 0:
+        from ..errors import MoeOffloadError
+
+        raise MoeOffloadError(f"measuring the process's own memory failed ({out.stderr.strip()[-300:]}); give "
+                              "--reserve-gb with room for the interpreter and torch (about 0.5 GiB) instead")
+    known[key] = int(out.stdout.strip().splitlines()[-1])
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(known, indent=1, sort_keys=True) + "\n")
+        tmp.replace(path)
+    except OSError:
+        pass
+    return known[key]
