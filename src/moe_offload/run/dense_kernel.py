@@ -75,7 +75,11 @@ class KernelLinear(nn.Linear):
         if fp8 is not None:
             w = dequantize_fp8(w, self._buffers[fp8.scale_local], fp8.block, dtype=fp8.compute_dtype,
                                parts=fp8.parts)
-        return F.linear(x, w, self.bias)
+        # As one contiguous [rows, in] matrix: a strided batch (the LM head's last position of a prompt batch,
+        # hidden[:, -1:]) sends torch's bf16 CPU matmul down a batched path that copies the weight per sequence
+        # (Qwen3-30B-A3B's LM head, 4 prompts: 7.9 s and 2.3 GB more, against 0.02 s).
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        return F.linear(flat, w, self.bias).view(*x.shape[:-1], self.out_features)
 
 
 def kernel_linears(model: nn.Module, skip: Callable[[str, nn.Module], bool]) -> list[str]:
