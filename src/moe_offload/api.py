@@ -86,7 +86,9 @@ def plan(source, *, offload_gb: float | None = None, device_memory_gb: float | N
     `moe_offload.traces.expert_counts(moe_offload.traces.read_trace(path))`.
     `host_memory_gb`: the host tier's GiB; what leaves the device beyond it is planned on `disk`.
     `cpu_only`: plan for a machine whose device is host memory: `device_memory_gb` alone then bounds
-    the RAM the weights hold and the rest is on disk (the CLI sets it from the device it resolves).
+    the RAM the weights hold and the rest is on disk (the CLI sets it from the device it resolves); the plan then
+    also says how much of the reserve the process itself takes (measured once per installation:
+    storage/process_memory.py).
     """
     from .planning import planner
     from .model.inventory import inventory
@@ -94,5 +96,17 @@ def plan(source, *, offload_gb: float | None = None, device_memory_gb: float | N
     inv = inventory(source, dtype=dtype)
     return planner.plan(inv, offload_gb=offload_gb, device_memory_gb=device_memory_gb, reserve_gb=reserve_gb,
                         policy=policy, offload_params=offload_params, batch=batch, stats=stats,
-                        host_memory_gb=host_memory_gb, cpu_only=cpu_only)
+                        host_memory_gb=host_memory_gb, cpu_only=cpu_only,
+                        runtime_bytes=process_bytes(cpu_only and device_memory_gb is not None))
+
+
+def process_bytes(wanted: bool) -> int:
+    """What this process takes beside its weights, measured once per installation (0 when not wanted)."""
+    if not wanted:
+        return 0
+    import sys
+
+    from .storage.process_memory import runtime_bytes
+
+    return runtime_bytes(progress=lambda line: print(line, file=sys.stderr, flush=True))
 

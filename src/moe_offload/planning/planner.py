@@ -104,13 +104,15 @@ def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: f
          reserve_gb: float | None = None, policy: str = "sparse-first",
          offload_params: str | Sequence[str] | None = None, batch: int = 1,
          stats: Mapping[int, Sequence[float]] | None = None, host_memory_gb: float | None = None,
-         cpu_only: bool = False) -> Plan:
+         cpu_only: bool = False, runtime_bytes: int = 0) -> Plan:
     """Decide the tier of every tensor. Touches no device, file or global state.
 
     stats: with policy "frequency", layer -> decode-token picks of each expert (traces.expert_counts).
     host_memory_gb: the host tier's GiB for offloaded weights; what left the device beyond it goes to disk.
     cpu_only: the plan is for a machine without an accelerator, whose device is host memory: there
     device_memory_gb alone bounds the RAM the weights hold and what does not fit goes to disk.
+    runtime_bytes: on a CPU-only machine, what the process itself takes beside its weights (measured by the
+    caller: storage/process_memory.py); it lives in the reserve, and the plan says how much of the reserve is left.
     """
     budget = Budget(offload_gb, device_memory_gb, reserve_gb, host_memory_gb, bool(cpu_only))
     budget.validate()
@@ -199,7 +201,7 @@ def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: f
     room, room_label = budget.host_room(), _room_label(budget)
     if policy_ is Policy.FREQUENCY:
         p = plan_frequency(inv, roles, stats, target, batch, notes, room, room_label)
-        return _with_tier_notes(p, budget)
+        return _with_tier_notes(p, budget, runtime_bytes)
     order = sorted(eligible, key=lambda i: (density(i), dense(i), i)) if policy_ is Policy.SPARSE_FIRST else eligible
     # One unit per eligible tensor, in the policy's order; fused expert tensors may go by their last experts.
     axis = [record_expert_axis(r, role, inv) for r, role in zip(records, roles)]
@@ -231,7 +233,7 @@ def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: f
 
     notes += offload_notes(records, roles, offloaded, target, done, last, policy_, eligible, split)
     return _with_tier_notes(Plan(tuple(tensors), inv.model_type, policy_.value, target, batch, selectors,
-                                 tuple(notes), host_budget_bytes=room), budget)
+                                 tuple(notes), host_budget_bytes=room), budget, runtime_bytes)
 
 
 def _room_label(budget: Budget) -> str:
@@ -242,8 +244,25 @@ def _room_label(budget: Budget) -> str:
             "host_memory_gb makes one)")
 
 
-def _with_tier_notes(p: Plan, budget: Budget) -> Plan:
+def _with_tier_notes(p: Plan, budget: Budget, runtime_bytes: int = 0) -> Plan:
     extra = tier_notes(p, p.host_budget_bytes, cpu_only=budget.cpu_only,
                        device_bound=budget.device_memory_gb is not None,
                        explicit_room=budget.host_memory_gb is not None)
+    if budget.cpu_only and budget.device_memory_gb is not None and runtime_bytes:
+        extra.append(_runtime_note(budget, runtime_bytes))
     return dataclasses.replace(p, notes=(*p.notes, *extra)) if extra else p
+
+
+def _runtime_note(budget: Budget, runtime_bytes: int) -> str:
+    """What is left of the reserve once the process itself is in it (CPU-only: the reserve is all the process holds
+    beside its weights)."""
+    reserve = budget.reserve_gb if budget.reserve_gb is not None else DEFAULT_RESERVE_GB
+    left = math.floor(reserve * GiB) - runtime_bytes
+    head = (f"CPU-only: the process itself takes {_gib(runtime_bytes)} (measured: the interpreter, torch, "
+            f"transformers, the kernels) out of the {reserve:g} GiB reserve")
+    if left >= 0:
+        return (f"{head}: {_gib(left)} remain for activations, the KV cache and staging (at most 256 MiB of experts "
+                "staged per layer step), so the process stays within --device-memory as far as they fit there")
+    return (f"{head}, more than the reserve itself: the process will hold about {_gib(-left)} more than "
+            "--device-memory; give --reserve-gb of at least "
+            f"{math.ceil(runtime_bytes / GiB * 100) / 100 + 0.25:g} for a bound on the whole process")
