@@ -55,7 +55,7 @@ def _cpu_name() -> str:
 def measure(again: bool = False, progress=None) -> HostRates:
     """The cached rates of this machine, or measured now (and cached) when there are none or `again`."""
     key, path = machine_key(), cache_path()
-    known = _read(path)
+    known = read_cache(path)
     if not again and key in known:
         got = known[key]
         return HostRates(float(got["bytes_per_s"]), float(got["flops_per_s"]), key, False)
@@ -63,11 +63,12 @@ def measure(again: bool = False, progress=None) -> HostRates:
         progress(f"measuring this host's read bandwidth and FLOP rate for the cost model (once: cached in {path})")
     rates = HostRates(_bandwidth(), _flops(), key, True)
     known[key] = {"bytes_per_s": rates.bytes_per_s, "flops_per_s": rates.flops_per_s}
-    _write(path, known)
+    write_cache(path, known)
     return rates
 
 
-def _read(path: Path) -> dict:
+def read_cache(path: Path) -> dict:
+    """A per-machine cache file (JSON object), or {} when missing or damaged."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -75,8 +76,9 @@ def _read(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _write(path: Path, data: dict) -> None:
-    """Written whole or not at all (a temporary file renamed over the old one)."""
+def write_cache(path: Path, data: dict) -> None:
+    """A per-machine cache file written whole or not at all (a temporary file renamed over the old one); a
+    read-only home leaves it unwritten (measured again next time)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
@@ -126,7 +128,7 @@ def link_bytes_per_s(device: torch.device, progress=None) -> float | None:
     if device.type != "cuda":
         return None
     key, path = f"link | {torch.cuda.get_device_name(device)}", cache_path()
-    known = _read(path)
+    known = read_cache(path)
     if key in known:
         return float(known[key]["bytes_per_s"])
     if progress is not None:
@@ -141,5 +143,5 @@ def link_bytes_per_s(device: torch.device, progress=None) -> float | None:
     copy()
     rate = READ_BYTES / _best(copy)
     known[key] = {"bytes_per_s": rate}
-    _write(path, known)
+    write_cache(path, known)
     return rate

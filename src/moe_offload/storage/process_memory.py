@@ -10,12 +10,13 @@ by the Python, torch and transformers versions; a damaged cache is measured over
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import subprocess
 import sys
 from pathlib import Path
+
+from ..kernels.host_rates import read_cache, write_cache
 
 _PROBE = r"""
 import torch, transformers, moe_offload
@@ -51,12 +52,7 @@ def runtime_bytes(progress=None) -> int:
     """The peak resident bytes of a moe-offload process around a tiny model (its weights a few KiB): what every run
     takes beside its weights, caches and buffers. Measured once per installation, cached."""
     key, path = _key(), cache_path()
-    try:
-        known = json.loads(path.read_text())
-        if not isinstance(known, dict):
-            known = {}
-    except (OSError, ValueError):
-        known = {}
+    known = read_cache(path)
     if isinstance(known.get(key), int):
         return known[key]
     if progress is not None:
@@ -69,11 +65,5 @@ def runtime_bytes(progress=None) -> int:
         raise MoeOffloadError(f"measuring the process's own memory failed ({out.stderr.strip()[-300:]}); give "
                               "--reserve-gb with room for the interpreter and torch (about 0.5 GiB) instead")
     known[key] = int(out.stdout.strip().splitlines()[-1])
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(known, indent=1, sort_keys=True) + "\n")
-        tmp.replace(path)
-    except OSError:
-        pass
+    write_cache(path, known)
     return known[key]
