@@ -92,21 +92,11 @@ def plan(source, *, offload_gb: float | None = None, device_memory_gb: float | N
     """
     from .planning import planner
     from .model.inventory import inventory
+    from .storage.process_memory import planned_runtime_bytes
 
     inv = inventory(source, dtype=dtype)
     return planner.plan(inv, offload_gb=offload_gb, device_memory_gb=device_memory_gb, reserve_gb=reserve_gb,
                         policy=policy, offload_params=offload_params, batch=batch, stats=stats,
                         host_memory_gb=host_memory_gb, cpu_only=cpu_only,
-                        runtime_bytes=process_bytes(cpu_only and device_memory_gb is not None))
-
-
-def process_bytes(wanted: bool) -> int:
-    """What this process takes beside its weights, measured once per installation (0 when not wanted)."""
-    if not wanted:
-        return 0
-    import sys
-
-    from .storage.process_memory import runtime_bytes
-
-    return runtime_bytes(progress=lambda line: print(line, file=sys.stderr, flush=True))
+                        runtime_bytes=planned_runtime_bytes(cpu_only, device_memory_gb))
 

@@ -98,6 +98,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     from ..run.grouped import check_kernels
     from ..run.host_cache import HostCache, carve, host_cache_bytes
     from ..run.host_compute import compute_options, host_compute_for
+    from ..storage.process_memory import planned_runtime_bytes
     from ..run.lookahead import SOURCES, Lookahead
     from ..storage.mapped import MODES
     from ..errors import AuditError
@@ -150,8 +151,8 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     model.eval()
     inv = from_checkpoint(folder, dtype=dtype, model=model, config=config)
     if plan is None:
-        plan = make_plan(inv, **budget, runtime_bytes=_process_bytes(
-            bool(budget.get("cpu_only")) and budget.get("device_memory_gb") is not None))
+        plan = make_plan(inv, **budget, runtime_bytes=planned_runtime_bytes(bool(budget.get("cpu_only")),
+                                                                           budget.get("device_memory_gb")))
     elif any(v is not None for v in budget.values()):
         raise SelectorError("give either a plan or budget options, not both")
     else:
@@ -246,15 +247,6 @@ def _load_generation_config(model: nn.Module, folder: Path) -> None:
 
     if (folder / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(folder), local_files_only=True)
-
-
-def _process_bytes(wanted: bool) -> int:
-    """What this process takes beside its weights (CPU-only plans note it), measured once per installation."""
-    if not wanted:
-        return 0
-    from ..storage.process_memory import runtime_bytes
-
-    return runtime_bytes(progress=_tell)
 
 
 def _tell(line: str) -> None:

@@ -55,11 +55,7 @@ def chunked_step(state, module, selected: Selected, hidden: torch.Tensor, top_k_
         plan = plan_step(rt, state, part, False)
         plan.charge(rt)
         staged = execute(rt, state, plan)
-        if state.quant:      # the chunk's stored bytes -> the compute dtype (quant_weights.py)
-            rt.dequantizer.selected_experts(module, state.quant, staged, part.index)
-        for name, p in module.named_parameters(recurse=False):   # resident per-expert tensors: the chunk's rows
-            if name not in staged and p.dim() >= 1 and p.shape[0] == state.num_experts:
-                staged[name] = p.index_select(0, part.index)
+        state.complete(module, staged, part.index)   # dequantized, resident per-expert tensors renumbered
         mine = {e: i for i, e in enumerate(chunk)}
         pairs = [s for s, e in enumerate(selected.slots) if e in mine]
         at = index_tensor(pairs, dev)

@@ -171,12 +171,18 @@ class ExpertsState:
         plan.charge(rt)
         staged = execute(rt, self, plan)
         self._end_lookahead(plan)
-        if self.quant and dequantize:   # the gathered stored bytes -> the compute dtype (quant_weights.py)
-            rt.dequantizer.selected_experts(module, self.quant, staged, selected.index)
-        elif self.quant:                # kept as stored: the resident ones' rows (and scales) renumbered too
-            rt.dequantizer.stored_experts(module, self.quant, staged, selected.index)
-        for name, p in module.named_parameters(recurse=False):
-            # Resident per-expert tensors are renumbered too (a device-local gather, no link bytes).
-            if name not in staged and p.dim() >= 1 and p.shape[0] == self.num_experts:
-                staged[name] = p.index_select(0, selected.index)
+        self.complete(module, staged, selected.index, dequantize)
         return staged, local, len(selected.ids)
+
+    def complete(self, module, staged: dict, index: torch.Tensor, dequantize: bool = True) -> None:
+        """The gathered stacks of the selection `index` made ready to compute: quantized ones dequantized (or, kept
+        as stored, the resident ones' rows and scales renumbered too), and the module's resident per-expert tensors
+        renumbered onto the selection (a device-local gather, no link bytes)."""
+        rt = self.runtime
+        if self.quant and dequantize:   # the gathered stored bytes -> the compute dtype (quant_weights.py)
+            rt.dequantizer.selected_experts(module, self.quant, staged, index)
+        elif self.quant:
+            rt.dequantizer.stored_experts(module, self.quant, staged, index)
+        for name, p in module.named_parameters(recurse=False):
+            if name not in staged and p.dim() >= 1 and p.shape[0] == self.num_experts:
+                staged[name] = p.index_select(0, index)

@@ -67,3 +67,11 @@ def runtime_bytes(progress=None) -> int:
     known[key] = int(out.stdout.strip().splitlines()[-1])
     write_cache(path, known)
     return known[key]
+
+
+def planned_runtime_bytes(cpu_only: bool, device_memory_gb) -> int:
+    """What a plan takes as the process's own memory: measured (said on stderr the first time) for a CPU-only plan
+    bounded by device_memory_gb, else 0 (on an accelerator device memory is not the process's)."""
+    if not cpu_only or device_memory_gb is None:
+        return 0
+    return runtime_bytes(progress=lambda line: print(line, file=sys.stderr, flush=True))
