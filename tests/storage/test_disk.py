@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from moe_offload.storage.disk import DIRECT_ALIGN, SafetensorsReader, checkpoint_readers
+from moe_offload.storage.disk import DIRECT_ALIGN, BouncePool, SafetensorsReader, checkpoint_readers
 from moe_offload.storage.disk_prefetch import DensePrefetcher
 from moe_offload.errors import CheckpointError
 from moe_offload.tiny.make import make_tiny
@@ -357,6 +357,67 @@ def test_checkpoint_readers_map_every_key_to_its_shard(tmp_path):
         for key in list(weight_map)[::7]:
             with safe_open(str(folder / weight_map[key]), "pt") as f:
                 assert torch.equal(by_key[key].read(key), f.get_tensor(key))
+    finally:
+        for r in readers:
+            r.close()
+
+
+def test_bounce_pool_bounds_the_reads_in_flight():
+    pool = BouncePool(2 * DIRECT_ALIGN, slots=2)
+    a, b = pool.take(), pool.take()
+    assert pool.bytes == 4 * DIRECT_ALIGN and a[0] is not b[0]
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(pool.take()))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and not got          # a third read waits for a buffer
+    pool.give(a)
+    waiter.join(5)
+    assert got and got[0][0] is a[0] and pool.bytes == 4 * DIRECT_ALIGN   # reused, none made
+    pool.give(b)
+    pool.give(got[0])
+    pool.close()
+    assert pool.bytes == 0
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        BouncePool(1000)
+
+
+def test_readers_of_a_checkpoint_read_concurrently_through_one_shared_pool(tmp_path):
+    folder = make_tiny(tmp_path / "m", family="qwen3_moe", max_shard_size=40_000, **SMALL)
+    if not _direct_ok(folder):
+        pytest.skip("this filesystem refuses O_DIRECT: there is no bounce pool (the fadvise reader reads in place)")
+    by_key, readers = checkpoint_readers(folder, in_flight=3)
+    pools = {id(r.bounce_pool) for r in readers}
+    in_flight, peak, lock = [0], [0], threading.Lock()
+    real = os.preadv
+
+    def slow_preadv(fd, bufs, off):          # every O_DIRECT read lasts a while, so reads overlap if they can
+        with lock:
+            in_flight[0] += 1
+            peak[0] = max(peak[0], in_flight[0])
+        try:
+            time.sleep(0.02)
+            return real(fd, bufs, off)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    keys = [k for k in by_key if ".experts." in k][:12]
+    want = {}
+    for k in keys:
+        with safe_open(str(by_key[k].path), "pt") as f:
+            want[k] = f.get_tensor(k)
+    try:
+        assert len(pools) == 1 and readers[0].bounce_bytes == 0      # buffers are made when first needed
+        os.preadv = slow_preadv
+        try:
+            with __import__("concurrent.futures").futures.ThreadPoolExecutor(6) as ex:
+                got = dict(zip(keys, ex.map(lambda k: by_key[k].read(k), keys)))
+        finally:
+            os.preadv = real
+        assert peak[0] == 3                   # three buffers: three reads at once, never more
+        assert all(torch.equal(got[k], want[k]) for k in keys)
+        assert readers[0].bounce_bytes == 3 * readers[0].bounce_pool.size and all(r.bounce_bytes == 0 for r in readers[1:])
     finally:
         for r in readers:
             r.close()

@@ -45,8 +45,8 @@ if TYPE_CHECKING:
     from ..planning.placement import Plan
 
 
-# Selected experts' reads issued at once (one per expert and file): a disk serves a few requests in flight faster
-# than one at a time.
+# Selected experts' reads issued at once (one per expert and file, each with its own O_DIRECT bounce buffer from
+# the readers' shared pool): a disk serves a few requests in flight faster than one at a time.
 READS_IN_FLIGHT = 4
 
 
@@ -91,7 +91,8 @@ class DiskTier:
                                   f"{list(t.disk_expert_ids)[:8]}, off the device: {list(t.host_ids)[:8]}); one "
                                   "tensor split across three tiers is not loadable yet: plan with --host-memory "
                                   "that holds whole tensors, or put all of its offloaded experts on one tier")
-        by_key, readers = checkpoint_readers(folder, reader=MappedReader if disk_read == "mmap" else None)
+        by_key, readers = checkpoint_readers(folder, reader=MappedReader if disk_read == "mmap" else None,
+                                             in_flight=READS_IN_FLIGHT)
         try:
             pieces: dict[str, list] = {name: [] for name in on_disk}
             for key, slot in slots.items():

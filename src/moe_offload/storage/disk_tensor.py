@@ -52,8 +52,8 @@ class DiskTensor:
         """out[j] = this tensor's row ids[j] (expert or table row), for a contiguous CPU `out` [len(ids), ...].
 
         `pool`: the selected experts' reads (one per expert and file) are issued on it concurrently: the disk
-        serves several requests in flight faster than one at a time (buffered reads; O_DIRECT ones share their
-        reader's bounce buffer and so run in turn)."""
+        serves several requests in flight faster than one at a time (O_DIRECT reads: as many at once as the
+        readers' bounce pool has buffers)."""
         ids = [int(e) for e in ids]
         pos = {e: j for j, e in enumerate(ids)}
         batched: dict[tuple[int, int], tuple[SafetensorsReader, list[str], list[torch.Tensor]]] = {}
