@@ -20,7 +20,7 @@ aligned superset into a reused, aligned bounce buffer, then copied out), else bu
 the destination followed by `posix_fadvise(POSIX_FADV_DONTNEED)`; `mechanism` says which. `bytes_read`
 (bytes the disk delivered, alignment included) and `read_calls` count every read.
 
-O_DIRECT reads go through bounce buffers taken from a `BouncePool`: one read holds one buffer, so a pool of N
+O_DIRECT reads go through bounce buffers taken from a `BouncePool` (bounce.py): one read holds one buffer, so a pool of N
 buffers lets N reads be in flight at once (a disk serves several requests in flight faster than one at a time:
 measured here, 1 MiB random O_DIRECT reads, 1.4 GB/s one at a time against 2.3-3.0 GB/s with 4-8 in flight).
 `checkpoint_readers(..., in_flight=N)` gives every reader of a model one shared pool of N buffers, so the
@@ -48,11 +48,10 @@ import torch
 
 from ..errors import CheckpointError
 from ..formats.safetensors import TensorSpan, parse_header
+from .bounce import DEFAULT_BOUNCE, DIRECT_ALIGN, BouncePool
 
 __all__ = ["DIRECT_ALIGN", "BouncePool", "SafetensorsReader", "checkpoint_readers"]
 
-DIRECT_ALIGN = 4096              # O_DIRECT offset, length and buffer alignment (covers 512 and 4K sectors)
-DEFAULT_BOUNCE = 8 << 20         # O_DIRECT bounce buffer: reads larger than this take several calls
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
@@ -66,52 +65,6 @@ class _Identity:
     @classmethod
     def of(cls, st: os.stat_result) -> "_Identity":
         return cls(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
-
-
-class BouncePool:
-    """`slots` page-aligned bounce buffers of `size` bytes for O_DIRECT reads, made when first needed and shared by
-    the readers given it: `take()` blocks while all are in use (so at most `slots` reads are in flight),
-    `give()` returns one. `bytes` is the memory made so far (at most size * slots)."""
-
-    def __init__(self, size: int = DEFAULT_BOUNCE, slots: int = 1):
-        if size < DIRECT_ALIGN or size % DIRECT_ALIGN:
-            raise ValueError(f"bounce_bytes={size} must be a positive multiple of {DIRECT_ALIGN}")
-        if slots < 1:
-            raise ValueError(f"a bounce pool needs at least one slot, got {slots}")
-        self.size, self.slots = size, slots
-        self._free: list[tuple[mmap.mmap, memoryview, torch.Tensor]] = []
-        self._made = 0
-        self._ready = threading.Condition()
-
-    @property
-    def bytes(self) -> int:
-        return self._made * self.size
-
-    def take(self) -> tuple[mmap.mmap, memoryview, torch.Tensor]:
-        with self._ready:
-            while not self._free and self._made >= self.slots:
-                self._ready.wait()
-            if self._free:
-                return self._free.pop()
-            self._made += 1
-        buf = mmap.mmap(-1, self.size)      # anonymous mappings are page aligned
-        # The same bytes as a tensor: copies out of it are torch copies, which release the GIL (a memoryview slice
-        # assignment holds it for the whole memcpy, stalling every other thread's Python meanwhile).
-        return buf, memoryview(buf), torch.frombuffer(buf, dtype=torch.uint8)
-
-    def give(self, item: tuple[mmap.mmap, memoryview, torch.Tensor]) -> None:
-        with self._ready:
-            self._free.append(item)
-            self._ready.notify()
-
-    def close(self) -> None:
-        """Unmap the buffers not in use (all of them once every read has finished)."""
-        with self._ready:
-            free, self._free = self._free, []
-            self._made -= len(free)
-        for buf, view, _ in free:
-            view.release()
-            buf.close()
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
