@@ -254,7 +254,9 @@ def run_limited(cmd: list[str], limit_bytes: int | None, name: str, log: Path, t
 # --- one arm of ours, in its own process ------------------------------------------------------------------------
 
 def child(spec: dict) -> dict:
-    """One arm: load the model as spec says, prefill spec['prefill'] tokens, then one timed decode step per token."""
+    """One arm: load the model as spec says, prefill spec['prefill'] tokens, then one timed decode step per token
+    (spec['greedy']: each step's input is the token the step before chose, else the text's next; spec['experts']:
+    how the experts are computed, load's default when absent)."""
     import torch
 
     torch.set_num_threads(spec["threads"])
@@ -289,12 +291,12 @@ def child(spec: dict) -> dict:
     base = peak_rss_bytes()
     t0 = time.perf_counter()
     if spec["arm"] == "resident":
-        model, plan = load(folder, device="cpu", offload_gb=0)
+        model, plan = load(folder, device="cpu", offload_gb=0, experts=spec.get("experts"))
     else:
         plan = disk_plan(folder, spec["budget_gb"], spec["reserve_gb"])
         model, plan = load(folder, device="cpu", plan=plan, host_cache_gb=spec.get("host_cache_gb"),
                            lookahead=spec.get("lookahead", 0), lookahead_from=spec.get("lookahead_from", "output"),
-                           disk_read=spec.get("disk_read", "direct"))
+                           disk_read=spec.get("disk_read", "direct"), experts=spec.get("experts"))
     load_s = time.perf_counter() - t0
     rt = model.moe_offload_runtime
     routed = []
@@ -307,12 +309,15 @@ def child(spec: dict) -> dict:
         t = time.perf_counter()
         out = model(input_ids=ids[:, :p], use_cache=True, **extra)
         ttft = time.perf_counter() - t
+        first = int(out.logits[0, -1].argmax())
         cache = getattr(out, cache_kw)
         timers.update(stage=0.0, take=0.0)
         for i in range(steps):
             before = _io_read_bytes()
             t = time.perf_counter()
-            out = model(input_ids=ids[:, p + i:p + i + 1], use_cache=True, **{cache_kw: cache}, **extra)
+            # greedy: the token the model chose (as llama.cpp decodes), else the text's next token
+            x = torch.tensor([[argmax[-1] if argmax else first]]) if spec.get("greedy") else ids[:, p + i:p + i + 1]
+            out = model(input_ids=x, use_cache=True, **{cache_kw: cache}, **extra)
             argmax.append(int(out.logits[0, -1].argmax()))
             itl.append(time.perf_counter() - t)
             io.append(_io_read_bytes() - before)

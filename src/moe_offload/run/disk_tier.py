@@ -22,7 +22,7 @@ CheckpointError at the read (disk.py).
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -154,6 +154,10 @@ class DiskTier:
             return
         for job in [self._pool.submit(src.read_rows, [e], rows[p:p + 1]) for e, p in zip(ids, positions)]:
             job.result()            # re-raises a read's CheckpointError here
+
+    def submit(self, job) -> Future:
+        """One read job on the tier's readers' threads (a streamed step's expert rows: streamed.py)."""
+        return self._pool.submit(job)
 
     def _read_rows(self, src: DiskTensor, ids: list[int], out: torch.Tensor, key: str) -> None:
         if out.device.type == "cpu":

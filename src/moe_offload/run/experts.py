@@ -24,7 +24,8 @@ path, resident or not: its values and scales are gathered as stored, then exactl
 are dequantized on the device into reused buffers, and the eager loop runs on those.
 
 Tensors on the disk tier (disk_tier.py) always take the gathering path: the selected experts are read from
-the checkpoint into the same reused buffers, counted in the runtime's disk counter.
+the checkpoint into the same reused buffers, counted in the runtime's disk counter. On a cpu device a decode step
+of the CPU kernels computes each expert as soon as its rows have landed, while the next are read (streamed.py).
 
 What computes the selected experts is the runtime's `ExpertsCompute` (compute.py): the class's eager loop
 (`experts="eager"`, the model's own arithmetic), one grouped gather-GEMV kernel per projection
@@ -46,6 +47,7 @@ import torch.nn as nn
 
 from .grouped import original_forward
 from .chunked import chunked_step, too_big
+from .streamed import streamed_step, streams
 from .read_executor import execute
 from .read_plan import InPlaceRead, plan_step
 from .state import RunState, Selected
@@ -123,13 +125,15 @@ class ExpertsState:
             plan = plan_step(rt, self, selected, cached, host=hc.side(rt, self, selected, hidden_states))
             if plan.host is not None:
                 plan.charge(rt)
-                self._end_lookahead(plan)
+                self.end_lookahead(plan)
                 return hc.run(rt, self, module, plan, hidden_states, top_k_weights, fused, self.quant)
             staged, local, count = self.gather(module, top_k_index, cached, dequantize=not fused,
                                                planned=(selected, local, plan))
             view = _StagedExperts(module, staged, count)
             return rt.compute(module, staged, hidden_states, local, top_k_weights, view=view, decode=decode,
                               quant=quant)
+        if streams(self, fused, cached):    # CPU-only disk-tier decode: each expert computed as its rows land
+            return streamed_step(self, module, hidden_states, top_k_index, top_k_weights, quant)
         # With a look-ahead, a decode step gathers too: its predicted experts come from the rows copied ahead.
         ahead = rt.lookahead is not None and rt.decode_step
         if rt.reads.in_place and not self.split and not cached and (fused or not self.quant) and not self.disk \
@@ -148,7 +152,7 @@ class ExpertsState:
         view = _StagedExperts(module, staged, count)
         return rt.compute(module, staged, hidden_states, local, top_k_weights, view=view, decode=decode, quant=quant)
 
-    def _end_lookahead(self, plan) -> None:
+    def end_lookahead(self, plan) -> None:
         rt = self.runtime
         if rt.lookahead is not None and rt.decode_step and (self.disk or self.offloaded):
             rt.lookahead.end_layer(self.layer, plan.below())     # what the guesses saved
@@ -170,7 +174,7 @@ class ExpertsState:
             plan = plan_step(rt, self, selected, cached)
         plan.charge(rt)
         staged = execute(rt, self, plan)
-        self._end_lookahead(plan)
+        self.end_lookahead(plan)
         self.complete(module, staged, selected.index, dequantize)
         return staged, local, len(selected.ids)
 

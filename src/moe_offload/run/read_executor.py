@@ -18,12 +18,18 @@ order, so the eager loop's arithmetic is the model's own whatever lies where):
     HOST_COMPUTE  nothing: the host's kernels read the host row in place (host_compute.py); a disk-tier row of an
                   expert computed on the host lands in host memory and stays there (`landed`)
 
+Given a `Deferred` (streamed.py: a CPU-only decode step), the checkpoint reads are not waited for here: each
+expert's read, and its host-cache admission after it, is queued on it in the order of the rows, so the caller
+computes each expert as soon as its rows have landed while the next ones are read.
+
 A page copy views a row as uint8 pages of the cache's page size (every cached row is a whole number of them).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from concurrent.futures import Future
+from functools import partial
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
@@ -42,21 +48,23 @@ def execute(rt: "RunState", state: ExpertsLike, plan: StepPlan) -> dict[str, tor
     return execute_sides(rt, state, plan)[0]
 
 
-def execute_sides(rt: "RunState", state: ExpertsLike, plan: StepPlan, skip_resident=frozenset()
-                  ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def execute_sides(rt: "RunState", state: ExpertsLike, plan: StepPlan, skip_resident=frozenset(),
+                  deferred: "Deferred | None" = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(the gathered stacks, the host rows landed per disk-tier tensor: [U, ...] in host memory, position i the
     i-th selected expert's row where it was read from below the device). `skip_resident`: tensors whose resident
-    rows are not gathered (the device's kernels read that stack in place)."""
+    rows are not gathered (the device's kernels read that stack in place). `deferred`: the checkpoint reads of rows
+    landing in the gathered stack itself (a cpu device) are queued there, not waited for."""
     count, landed = len(plan.selected.ids), {}
     on_host = set(plan.on_host)
-    staged = {t.name: _tensor(rt, state, t, count, t.name in skip_resident, on_host, landed) for t in plan.tensors
+    staged = {t.name: _tensor(rt, state, t, count, t.name in skip_resident, on_host, landed, deferred)
+              for t in plan.tensors
               if not all(r.source is Source.HOST_COMPUTE or (r.source is Source.RESIDENT and t.name in skip_resident)
                          for r in t.reads)}    # a tensor with nothing to copy has no gathered stack
     return staged, landed
 
 
 def _tensor(rt: "RunState", state: ExpertsLike, t: TensorReads, count: int, skip_resident: bool, on_host: set,
-            landed: dict) -> torch.Tensor:
+            landed: dict, deferred: "Deferred | None" = None) -> torch.Tensor:
     if t.on_disk:
         src = state.disk[t.name]
         out = rt.buffer(("rows", t.name, src.shape[1:], src.dtype), (count, *src.shape[1:]), src.dtype)
@@ -73,7 +81,7 @@ def _tensor(rt: "RunState", state: ExpertsLike, t: TensorReads, count: int, skip
     if cached:
         _pages_in(rt.cache.arena, out, cached)
     if t.on_disk:
-        _disk_rows(rt, state, t, out, on_host, landed)
+        _disk_rows(rt, state, t, out, on_host, landed, deferred)
     else:
         linked = t.of(Source.HOST_ROW)
         if linked:
@@ -103,7 +111,7 @@ def _pages_in(arena: torch.Tensor, out: torch.Tensor, reads: list) -> None:
 
 
 def _disk_rows(rt: "RunState", state: ExpertsLike, t: TensorReads, out: torch.Tensor, on_host: set,
-               landed: dict) -> None:
+               landed: dict, deferred: "Deferred | None" = None) -> None:
     """A disk-tier tensor's rows from below the device: landed in host memory, then on the device (but those of
     experts computed on the host)."""
     below = t.of(Source.HOST_PAGE, Source.AHEAD, Source.DISK)
@@ -111,20 +119,70 @@ def _disk_rows(rt: "RunState", state: ExpertsLike, t: TensorReads, out: torch.Te
         return
     src = state.disk[t.name]
     land = out if out.device.type == "cpu" else rt.disk.staging(t.name, src)
-    disk = t.of(Source.DISK)
+    disk, hits, admit = t.of(Source.DISK), t.of(Source.HOST_PAGE), t.admit_host
+    if deferred is not None and land is out:    # queued in the order of the rows; a worker lands each (a read then,
+        pages = dict(admit)                     # where admitted, its store in the host cache) while the caller waits
+        for r in disk:
+            deferred.read(r.position, partial(_land, rt, src, r.row, out, r.position, pages.get(r.position)))
+        for r in hits:
+            deferred.read(r.position, partial(rt.host_cache.read, list(r.pages), out[r.position]))
+        admit = [a for a in admit if a[0] not in {r.position for r in disk}]      # look-ahead rows: stored below
+        disk, hits = [], []
     if disk:
         rt.disk.read_into(src, [r.row for r in disk], land, [r.position for r in disk])
-    for r in t.of(Source.HOST_PAGE):
+    for r in hits:
         rt.host_cache.read(list(r.pages), land[r.position])
     ahead = t.of(Source.AHEAD)
     if ahead:
         t.ahead.wait()
         land.index_copy_(0, index_tensor([r.position for r in ahead], land.device),
                          t.ahead.rows.index_select(0, index_tensor([r.row for r in ahead], land.device)))
-    for position, pages in t.admit_host:    # admitted by the host cache's policy: into the pages it claimed
+    for position, pages in admit:           # admitted by the host cache's policy: into the pages it claimed
         rt.host_cache.store(list(pages), land[position])
     landed[t.name] = land
     if land is not out:                     # synchronous: the staging is reused by the next read
         positions = sorted(r.position for r in below if r.expert not in on_host)
         for p, _, n in row_runs(positions, positions):
             out[p:p + n].copy_(land[p:p + n])
+
+
+def _land(rt: "RunState", src, expert: int, out: torch.Tensor, position: int, pages) -> None:
+    """A streamed step's worker: one expert's row read from the checkpoint into out[position], then stored in the
+    host cache's pages where its policy admitted it."""
+    src.read_rows([expert], out[position:position + 1])
+    if pages:
+        rt.host_cache.store(list(pages), out[position])
+
+
+class Deferred:
+    """The row copies of a layer step not waited for by the executor (checkpoint reads, each followed by its host-cache
+    admission; host-cache pages): queued per row position (`read`); `start(submit)` issues them in position order on
+    the disk tier's threads, `wait(positions)` returns once those rows have landed (a read's error raised there),
+    `finish()` waits for every job still running (the buffers are reused by the next step)."""
+
+    def __init__(self):
+        self._queued: dict[int, list[Callable]] = {}
+        self._running: dict[int, list[Future]] = {}
+
+    def read(self, position: int, job: Callable) -> None:
+        self._queued.setdefault(position, []).append(job)
+
+    def start(self, submit: Callable[[Callable], Future]) -> None:
+        for position in sorted(self._queued):
+            self._running[position] = [submit(job) for job in self._queued[position]]
+        self._queued.clear()
+
+    def wait(self, positions: Iterable[int]) -> None:
+        for p in positions:
+            for job in self._running.pop(p, ()):
+                job.result()
+
+    def finish(self) -> None:
+        """Every job still running waited for, its error dropped (the caller is raising one already)."""
+        for jobs in self._running.values():
+            for job in jobs:
+                try:
+                    job.result()
+                except Exception:
+                    pass
+        self._running.clear()

@@ -1,0 +1,258 @@
+"""Bigger than memory at released dimensions (issue 28's Measure): the disk tier against llama.cpp's mmap.
+
+Qwen3-30B-A3B's layer x 8 (make-tiny --like, 10.4 GiB bf16, random weights, per-expert keys as released) in v1
+memory cgroups of 55% and 35% of the checkpoint, each arm a fresh process on a cold page cache, at one and two
+threads: ours (a) the disk tier, (b) + host cache, (c) + host cache + look-ahead 1, (d) the disk tier's reads
+through mmap, against (e) llama.cpp memory-mapped (its default; `--load-mode dio` where the build has it). Every
+arm's --device-memory is the cgroup's limit: the whole process (interpreter, torch, weights, buffers, caches and the
+page cache it causes) must stay inside it. (b) and (c) move part of the plan's resident experts to the host cache:
+the same memory in all. Beside every figure: the disk's measured random-read bandwidth (O_DIRECT, reads of one
+expert's bytes, one and four in flight) and the floor, the bytes the arm read per token over the better of the two.
+The model fully resident (no limit) gives the compute floor. Needs root (cgroups, drop_caches) and `make engines`.
+
+Writes docs/released_disk_bench.{json,md} and docs/released-disk-bench.png (--quick: bench-out/ only).
+
+    .venv/bin/python benchmarks/released_disk_bench.py [--quick] [--no-llama] [--report-only JSON]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import moe_offload as mo
+from disk_bench import disk_bandwidth
+from lookahead_bench_arms import GiB, ROOT, drop_caches, parallel_random_bandwidth, run_limited, run_llama, run_ours
+from moe_offload.loading.loader import load_tokenizer
+from released_bench import MODELS, ensure_model
+from rich.console import Console
+from rich.table import Table
+
+console = Console(highlight=False, width=170)
+MODEL = "qwen3-30b-a3b bf16"
+PROMPT = ("The history of the river valley begins with the first farmers, who cleared the forest along its banks "
+          "and planted wheat and barley in the rich soil that the floods left behind each spring.")
+FULL = dict(caps=(0.55, 0.35), threads=(1, 2), steps=16, reserve_gb=1.25, cache_share=0.5)
+QUICK = dict(FULL, caps=(0.55,), threads=(1,), steps=8)
+GOAL_LLAMA, GOAL_FLOOR = 1.2, 1.3
+
+
+def arm_specs(cfg: dict, model: Path, ids: list[int], cap_gb: float, threads: int) -> list[dict]:
+    """(a)-(d) at one cap and thread count. The host cache takes cache_share of the experts the plan keeps resident,
+    out of the same --device-memory (its reserve grows by as much; CPU-only, the host cache lives in the reserve)."""
+    r = cfg["reserve_gb"]
+    plan = mo.plan(model, device_memory_gb=cap_gb, reserve_gb=r)
+    resident_experts = sum(t.bytes for t in plan.tensors if t.role == "routed_expert" and t.tier == "device")
+    h = round(cfg["cache_share"] * resident_experts / GiB, 2)
+    tag = f"{round(cap_gb * 100 / cfg['total_gib'])}-{threads}t"
+    common = dict(model=str(model), ids=ids, prefill=len(ids), steps=cfg["steps"], threads=threads,
+                  budget_gb=cap_gb, experts="auto", greedy=True)
+    cached = dict(common, reserve_gb=r + h, host_cache_gb=h)
+    specs = [dict(common, key="a", label="(a) disk tier", reserve_gb=r),
+             dict(cached, key="b", label=f"(b) + host cache {h:g} GiB"),
+             dict(cached, key="c", label=f"(c) + host cache {h:g} GiB + lookahead 1", lookahead=1),
+             dict(common, key="d", label="(d) disk reads via mmap", reserve_gb=r, disk_read="mmap")]
+    return [dict(s, arm=s["key"], key=f"{s['key']}-{tag}") for s in specs]
+
+
+def llama_dio(where: dict) -> bool:
+    """Whether this llama.cpp build takes --load-mode dio (newer builds read the GGUF with O_DIRECT then)."""
+    import subprocess
+
+    out = subprocess.run([where["completion"], "--help"], capture_output=True, text=True, timeout=60)
+    return "--load-mode" in out.stdout + out.stderr
+
+
+def bandwidth(model: Path, block: int) -> dict:
+    drop_caches()
+    b = disk_bandwidth(model, seq_bytes=1 * GiB, rand_block=block)
+    b["random_4_in_flight_bytes_per_s"] = parallel_random_bandwidth(model, block)
+    return b
+
+
+def derive(res: dict) -> None:
+    """Floors, ratios and goals, added to the rows and to res['goals']."""
+    bw = max(res["random_bytes_per_s"], res["random_4_in_flight_bytes_per_s"])
+    llama = {(r["cap"], r["threads"]): r for r in res["rows"] if r["arm"].startswith("(e)") and "error" not in r}
+    compute = {t: statistics.mean(r["itl_s"]) for t, r in res["resident"].items() if "error" not in r}
+    goals = []
+    for r in res["rows"]:
+        if "error" in r:
+            continue
+        r["ms_per_token"] = 1e3 / r["tok_s_mean"]
+        r["disk_floor_ms"] = r["proc_io_read_bytes_per_token"] / bw * 1e3
+        r["floor_ms"] = max(r["disk_floor_ms"], 1e3 * compute.get(str(r["threads"]), compute.get(r["threads"], 0)))
+        r["vs_floor"] = r["ms_per_token"] / r["floor_ms"] if r["floor_ms"] else None
+        peer = llama.get((r["cap"], r["threads"]))
+        r["vs_llama"] = r["tok_s_mean"] / peer["tok_s_mean"] if peer else None
+    for cap in res["config"]["caps"]:
+        for t in res["config"]["threads"]:
+            ours = [r for r in res["rows"] if r["cap"] == cap and r["threads"] == t and not r["arm"].startswith("(e)")]
+            inside = [r for r in ours if "error" not in r and not r.get("cgroup_oom_kills")]
+            goals.append((f"{cap:.0%}, {t} thread(s): every arm of ours inside its cgroup", len(inside) == len(ours),
+                          ", ".join(f"{r['arm'].split(' ')[0]} " + (f"{r['cgroup_max_usage_bytes'] / GiB:.2f} GiB"
+                                    if "cgroup_max_usage_bytes" in r else r.get("error", "?")) for r in ours)))
+            if not inside:
+                continue
+            best = max(inside, key=lambda r: r["tok_s_mean"])
+            if best.get("vs_llama") is not None:
+                goals.append((f"{cap:.0%}, {t} thread(s): ours >= {GOAL_LLAMA}x llama.cpp mmap",
+                              best["vs_llama"] >= GOAL_LLAMA, f"{best['arm']} {best['tok_s_mean']:.2f} tok/s = "
+                              f"{best['vs_llama']:.2f}x"))
+            goals.append((f"{cap:.0%}, {t} thread(s): ours within {GOAL_FLOOR}x of the floor of the bytes it reads",
+                          best["vs_floor"] <= GOAL_FLOOR, f"{best['arm']} {best['ms_per_token']:.0f} ms/token vs "
+                          f"floor {best['floor_ms']:.0f} ms = {best['vs_floor']:.2f}x"))
+    res["goals"] = goals
+    res["compute_floor_ms"] = {str(t): v * 1e3 for t, v in compute.items()}
+
+
+def _f(x, fmt="{:.2f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def report(res: dict) -> str:
+    derive(res)
+    bw1, bw4 = res["random_bytes_per_s"], res["random_4_in_flight_bytes_per_s"]
+    md = [f"# Bigger than memory at released dimensions: {res['model']} against llama.cpp's mmap", "",
+          f"{res['model']}: {res['total_bytes'] / GiB:.2f} GiB bf16 ({MODEL}'s layer x 8, random weights). Machine: "
+          f"{res['machine']}. llama.cpp {res['llama_version']}. Cold page cache before every run; each arm a fresh "
+          f"process in a v1 memory cgroup of the cap (RSS and page cache charged), --device-memory = the cap, "
+          f"--reserve-gb {res['config']['reserve_gb']} (+ the host cache in (b), (c)); {res['config']['steps']} "
+          f"greedy decode tokens after a {res['prompt_tokens']}-token prompt (the same text for both engines; ours "
+          "computes experts with its CPU kernels, `--experts auto`).", "",
+          f"Disk (the checkpoint's own files, O_DIRECT, random reads of {res['read_block'] / 2**20:.0f} MiB, one "
+          f"expert's bytes): {bw1 / 1e9:.2f} GB/s one at a time, {bw4 / 1e9:.2f} GB/s four in flight. Floor: the "
+          "bytes an arm read per token (/proc/self/io; llama.cpp: the difference of two runs) over the better of the "
+          f"two, or the compute floor (resident, no limit: " + ", ".join(
+              f"{v:.0f} ms at {t} thread(s)" for t, v in res["compute_floor_ms"].items()) + ") where higher.", ""]
+    cols = ("cap", "threads", "arm", "tok/s", "x llama.cpp", "disk MB/token", "floor ms", "x floor", "cgroup peak GiB",
+            "host-cache hit rate")
+    table = Table(*cols, title="decode")
+    md += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in res["rows"]:
+        if "error" in r:
+            cells = (f"{r['cap']:.0%}", str(r["threads"]), r["arm"], r["error"], "", "", "", "", "", "")
+        else:
+            looked = r.get("host_cache_hits", 0) + r.get("host_cache_misses", 0)
+            cells = (f"{r['cap']:.0%} ({r['cap_gb']:.2f} GiB)", str(r["threads"]), r["arm"], _f(r["tok_s_mean"]),
+                     _f(r.get("vs_llama")), _f(r["proc_io_read_bytes_per_token"] / 1e6, "{:.0f}"),
+                     _f(r["floor_ms"], "{:.0f}"), _f(r["vs_floor"]), _f(r.get("cgroup_max_usage_bytes", 0) / GiB),
+                     _f(r["host_cache_hits"] / looked if looked else None))
+        table.add_row(*cells)
+        md.append("| " + " | ".join(cells) + " |")
+    console.print(table)
+    md += ["", "## Goals (issue 28)", ""]
+    for name, ok, how in res["goals"]:
+        md.append(f"- {'met' if ok else 'MISSED'}: {name}: {how}")
+        console.print(f"{'met   ' if ok else 'MISSED'} {name}: {how}")
+    md += ["", "## Method", "", "`.venv/bin/python benchmarks/released_disk_bench.py` (in `make bench`). Ours: "
+           "benchmarks/lookahead_bench_arms.py's child (load with the plan of `--device-memory CAP --reserve-gb R`, "
+           "host-tier placements read from disk as on a CPU, prefill, then one timed forward per token); llama.cpp: "
+           "`llama-completion -n N --ignore-eos -t T -tb T -c 512`, its eval time over its eval runs. The disk MB per "
+           "token of ours is what the process read from the block device (/proc/self/io) over the decode steps.", ""]
+    return "\n".join(md) + "\n"
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [(c, t) for c in res["config"]["caps"] for t in res["config"]["threads"]]
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.6 * len(groups), 4.4), squeeze=False)
+    for ax, (cap, t) in zip(axes[0], groups):
+        rows = [r for r in res["rows"] if r["cap"] == cap and r["threads"] == t]
+        names = [r["arm"].split(" ", 1)[0] for r in rows]
+        speeds = [r.get("tok_s_mean") or 0 for r in rows]
+        colours = ["tab:orange" if n.startswith("(e") else "tab:blue" for n in names]
+        ax.bar_label(ax.bar(names, speeds, color=colours), fmt="%.2f", fontsize=8)
+        ax.scatter(names, [1e3 / r["floor_ms"] if r.get("floor_ms") else 0 for r in rows], color="tab:red",
+                   marker="_", s=300, zorder=3, label="floor (bytes read / disk bandwidth)")
+        ax.set(title=f"cap {cap:.0%} ({rows[0]['cap_gb']:.2f} GiB), {t} thread(s)", ylabel="decode tokens / s")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{res['model']} ({res['total_bytes'] / GiB:.1f} GiB) in memory cgroups, cold cache; "
+                 f"ours blue, llama.cpp {res['llama_version']} mmap orange")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(res: dict, dirs: list[Path]) -> int:
+    text = report(res)
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "released_disk_bench.json").write_text(json.dumps(res, indent=1))
+        (d / "released_disk_bench.md").write_text(text)
+        plot(res, d / "released-disk-bench.png")
+    return 0
+
+
+def machine() -> str:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    return f"{cpu}, {os.cpu_count()} cores, {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / GiB:.0f} GiB, " \
+           f"{platform.system()} {platform.release()}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one cap, one thread, 8 tokens: the pipeline end to end")
+    ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--work", type=Path, default=ROOT / "models" / "released")
+    ap.add_argument("--report-only", type=Path, help="rewrite the md and the plot from a JSON this script wrote")
+    args = ap.parse_args(argv)
+    if args.report_only:
+        return write(json.loads(args.report_only.read_text()), [args.report_only.parent])
+    from step_bench_peers import engines
+
+    cfg = dict(QUICK if args.quick else FULL)
+    began = time.perf_counter()
+    folder, make_args, *_ = MODELS[MODEL]
+    model = ensure_model(args.work / folder, make_args)
+    full = mo.plan(model, offload_gb=0)
+    cfg["total_gib"] = full.total_bytes / GiB
+    block = max(t.bytes // t.shape[0] for t in full.tensors if t.role == "routed_expert") * 3   # gate, up, down
+    ids = load_tokenizer(model)(PROMPT)["input_ids"]      # the whole prompt, as llama.cpp is given it
+    logdir = ROOT / "bench-out" / "released-disk-bench-logs"
+    logdir.mkdir(parents=True, exist_ok=True)
+    where = engines()["llama_cpp"]
+    bw = [bandwidth(model, block)]
+    rows, resident = [], {}
+    for t in cfg["threads"]:
+        spec = dict(arm_specs(cfg, model, ids, cfg["total_gib"], t)[0], arm="resident", key=f"resident-{t}t",
+                    label="resident (no limit)")
+        resident[str(t)] = run_ours(spec, None, logdir)
+        console.print(f"resident, {t} thread(s): " + resident[str(t)].get("error", "")
+                      + _f(resident[str(t)].get("tok_s_mean")) + " tok/s")
+    for cap in cfg["caps"]:
+        cap_gb = round(cap * cfg["total_gib"], 2)
+        limit = int(cap_gb * GiB)
+        for t in cfg["threads"]:
+            for spec in arm_specs(cfg, model, ids, cap_gb, t):
+                row = run_ours(spec, limit, logdir)
+                rows.append({**row, "cap": cap, "cap_gb": cap_gb, "threads": t, "arm": spec["label"]})
+                console.print(f"{cap:.0%} {t}t {spec['label']}: " + (row.get("error") or f"{row['tok_s_mean']:.2f} tok/s"))
+            if args.no_llama:
+                continue
+            row = run_llama(model, PROMPT, cfg["steps"], limit, logdir, t)
+            rows.append({**row, "cap": cap, "cap_gb": cap_gb, "threads": t})
+            console.print(f"{cap:.0%} {t}t llama.cpp: " + (row.get("error") or f"{row['tok_s_mean']:.2f} tok/s"))
+    bw.append(bandwidth(model, block))
+    res = {"config": cfg, "model": model.name, "prompt_tokens": len(ids), "total_bytes": full.total_bytes, "read_block": block, "disk": bw,
+           "random_bytes_per_s": statistics.mean(b["random_bytes_per_s"] for b in bw),
+           "random_4_in_flight_bytes_per_s": statistics.mean(b["random_4_in_flight_bytes_per_s"] for b in bw),
+           "machine": machine(), "llama_version": where.get("version", "?"),
+           "llama_load_mode_dio": llama_dio(where) if where.get("ok") else None,
+           "resident": resident, "rows": rows, "elapsed_s": time.perf_counter() - began}
+    console.print(f"done in {res['elapsed_s']:.0f} s")
+    return write(res, [ROOT / "bench-out"] + ([] if args.quick else [ROOT / "docs"]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
