@@ -38,7 +38,7 @@ console = Console(highlight=False, width=170)
 MODEL = "qwen3-30b-a3b bf16"
 PROMPT = ("The history of the river valley begins with the first farmers, who cleared the forest along its banks "
           "and planted wheat and barley in the rich soil that the floods left behind each spring.")
-FULL = dict(caps=(0.55, 0.35), threads=(1, 2), steps=16, reserve_gb=1.25, cache_share=0.5)
+FULL = dict(caps=(0.55, 0.35), threads=(1, 2), steps=32, reserve_gb=1.25, cache_share=0.5)
 QUICK = dict(FULL, caps=(0.55,), threads=(1,), steps=8)
 GOAL_LLAMA, GOAL_FLOOR = 1.2, 1.3
 

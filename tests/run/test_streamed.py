@@ -3,7 +3,8 @@
 - the streamed steps are taken (disk-tier decode, CPU kernels, a cpu device) and the generation equals the same
   model with nothing offloaded, fused, bit for bit: alone, with the host cache (hits copied and admissions stored
   by the reader threads), with a look-ahead, for a family with biases (gpt-oss), one and two threads;
-- the first chunk's experts are computed while a later expert's rows are still being read;
+- the first expert is computed while a later expert's rows are still being read; host-cache hits in one run
+  of pages are read in place (not copied);
 - `Deferred` issues its jobs in row order and waits only for the rows asked;
 - a checkpoint changed after load is a CheckpointError out of a streamed step, with every read finished.
 
@@ -28,6 +29,7 @@ from moe_offload.errors import CheckpointError
 from moe_offload.planning.placement import Tier
 from moe_offload.run import experts as experts_py
 from moe_offload.run import streamed
+from moe_offload.run.host_cache import HostCache
 from moe_offload.run.read_executor import Deferred
 from moe_offload.run.runtime import runtime_of
 from moe_offload.tiny.make import make_tiny
@@ -105,7 +107,6 @@ def test_a_streamed_generation_is_bitwise_the_resident_fused(folder, resident, s
 def test_the_first_experts_are_computed_while_later_rows_are_read(folder, monkeypatch):
     """Rows after the first chunk are held back until the step has started computing: a step that waited for every
     read before computing would time out here."""
-    monkeypatch.setattr(streamed, "STREAM_CHUNK", 1)
     computing = threading.Event()
     held, real_pairs = [], streamed.pair_outputs
 
@@ -138,6 +139,18 @@ def test_the_first_experts_are_computed_while_later_rows_are_read(folder, monkey
             loaded.model(input_ids=ids[:, -1:], past_key_values=out.past_key_values, use_cache=True)
             rt.disk.submit = submit
     assert held and all(held), "later rows were released by the compute, not by the timeout"
+
+
+def test_host_cache_hits_in_one_run_of_pages_are_read_in_place(folder, monkeypatch):
+    copies, real = [], HostCache.read
+    monkeypatch.setattr(HostCache, "read", lambda self, pages, row: copies.append(pages) or real(self, pages, row))
+    path = folder("qwen3_moe")
+    ids = prompt_ids(path, 10)
+    with load(path, plan=experts_on_disk(path), experts="fused", host_cache_gb=0.001) as loaded:
+        generate_new(loaded.model, ids)
+        hits = runtime_of(loaded.model).host_cache.stats()["host_cache_hits"]
+    # each hit has two rows (gate_up: two pages, down_proj: one); copied, they would be 2 * hits copies
+    assert hits > 0 and len(copies) < hits, (hits, copies)
 
 
 def test_deferred_issues_in_row_order_and_waits_only_for_the_rows_asked():

@@ -12,7 +12,8 @@ with disk bytes in ascending id, `policy.access((layer, expert), nbytes)`, nbyte
 every disk-tier tensor of its layer.
 
 Reads, for one layer step (planned by read_plan.py, copied by read_executor.py):
-    hit        its rows copied from the cache's pages (host memory): counted as host-link bytes, no disk read
+    hit        its rows copied from the cache's pages (host memory): counted as host-link bytes, no disk read; a
+               CPU-only streamed decode step (streamed.py) reads a row whose pages are one run in place instead
     miss       read from the checkpoint (counted as disk bytes); admitted by the policy, its rows are then
                copied into pages it claimed (victims' pages freed first)
 
@@ -98,6 +99,13 @@ class HostCache(PagedCache):
         row = out_row.view(-1).view(torch.uint8).view(-1, self.page_bytes)
         for at, first, n in _runs(pages):
             row[at:at + n].copy_(self.arena[first:first + n])
+
+    def row_view(self, pages: list[int], shape, dtype: torch.dtype) -> torch.Tensor | None:
+        """A cached row as a view of its pages, where they are one run of consecutive ids (the CPU kernels then read it
+        in place: streamed.py), else None (copied out with `read`)."""
+        if not pages or any(b != a + 1 for a, b in zip(pages, pages[1:])):
+            return None
+        return self.arena[pages[0]:pages[0] + len(pages)].view(-1).view(dtype).view(tuple(shape))
 
     def store(self, pages: list[int], row: torch.Tensor) -> None:
         """An admitted expert's row of one tensor (contiguous, on the cpu) -> its pages."""

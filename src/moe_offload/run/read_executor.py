@@ -20,7 +20,8 @@ order, so the eager loop's arithmetic is the model's own whatever lies where):
 
 Given a `Deferred` (streamed.py: a CPU-only decode step), the checkpoint reads are not waited for here: each
 expert's read, and its host-cache admission after it, is queued on it in the order of the rows, so the caller
-computes each expert as soon as its rows have landed while the next ones are read.
+computes each expert as soon as its rows have landed while the next ones are read; a host-cache hit whose pages
+are one run is not copied at all (its view is `placed` there, for the kernels to read in place).
 
 A page copy views a row as uint8 pages of the cache's page size (every cached row is a whole number of them).
 """
@@ -124,8 +125,12 @@ def _disk_rows(rt: "RunState", state: ExpertsLike, t: TensorReads, out: torch.Te
         pages = dict(admit)                     # where admitted, its store in the host cache) while the caller waits
         for r in disk:
             deferred.read(r.position, partial(_land, rt, src, r.row, out, r.position, pages.get(r.position)))
-        for r in hits:
-            deferred.read(r.position, partial(rt.host_cache.read, list(r.pages), out[r.position]))
+        for r in hits:                          # a row in one run of pages is read in place by the kernels
+            view = rt.host_cache.row_view(list(r.pages), out.shape[1:], out.dtype)
+            if view is not None:
+                deferred.place(r.position, t.name, view)
+            else:
+                deferred.read(r.position, partial(rt.host_cache.read, list(r.pages), out[r.position]))
         admit = [a for a in admit if a[0] not in {r.position for r in disk}]      # look-ahead rows: stored below
         disk, hits = [], []
     if disk:
@@ -158,11 +163,16 @@ class Deferred:
     """The row copies of a layer step not waited for by the executor (checkpoint reads, each followed by its host-cache
     admission; host-cache pages): queued per row position (`read`); `start(submit)` issues them in position order on
     the disk tier's threads, `wait(positions)` returns once those rows have landed (a read's error raised there),
-    `finish()` waits for every job still running (the buffers are reused by the next step)."""
+    `finish()` waits for every job still running (the buffers are reused by the next step). `placed`: (position,
+    tensor) -> a row not copied at all, read where it lies (a host-cache hit in one run of pages)."""
 
     def __init__(self):
         self._queued: dict[int, list[Callable]] = {}
         self._running: dict[int, list[Future]] = {}
+        self.placed: dict[tuple[int, str], torch.Tensor] = {}
+
+    def place(self, position: int, name: str, row: torch.Tensor) -> None:
+        self.placed[(position, name)] = row
 
     def read(self, position: int, job: Callable) -> None:
         self._queued.setdefault(position, []).append(job)

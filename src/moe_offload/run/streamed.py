@@ -5,12 +5,13 @@ On a machine without an accelerator, a disk-tier layer step that gathers reads e
 the disk reads. Here the step's read plan (read_plan.plan_step, charged once, as the gather's) is carried out by
 the same executor with its row copies queued (read_executor.Deferred): checkpoint reads, each followed by its
 host-cache admission, and host-cache pages, issued in ascending expert order on the disk tier's reader threads.
-The caller's thread meanwhile computes the selected experts `STREAM_CHUNK` at a time, each chunk as soon as its
-rows have landed:
+A host-cache hit whose pages are one run of the arena is not copied at all: the kernels read it there, as
+llama.cpp's read its page-cache pages. The caller's thread meanwhile computes the selected experts one by one,
+each as soon as its rows have landed:
 
-    plan, charge; execute (look-ahead rows copied, everything else queued), then start the queue
-    per chunk of selected experts, ascending: wait for its rows; its (token, expert) pairs by the CPU kernels
-        (fused.kernel_project over the gathered stacks, grouped.pair_outputs), put in their slots
+    plan, charge; execute (look-ahead rows copied, hits in one run placed, everything else queued), start the queue
+    per selected expert, ascending: wait for its rows; its (token, expert) pairs by the CPU kernels
+        (fused.kernel_project over its rows, grouped.pair_outputs), put in their slots
     every token's pairs summed in slot order (grouped.sum_pairs)
 
 The kernels compute each pair on its own (a row's dot products do not depend on the call's other pairs) and the
@@ -28,11 +29,6 @@ from .grouped import pair_outputs, sum_pairs
 from .read_executor import Deferred, execute_sides
 from .read_plan import plan_step
 from .state import Selected, index_tensor
-
-# Selected experts computed per wait. One expert's kernels (a few ms at released widths) are as long as a read of
-# the next: small chunks start the compute early; two keeps the per-call overhead below a percent.
-STREAM_CHUNK = 2
-
 
 def streams(state, fused: bool, cached: bool) -> bool:
     """Whether this layer step is streamed: a decode step of the CPU kernels over disk-tier tensors, on a cpu device,
@@ -55,20 +51,21 @@ def streamed_step(state, module, hidden: torch.Tensor, top_k_index: torch.Tensor
         deferred.start(rt.disk.submit)
         state.end_lookahead(plan)
         state.complete(module, staged, selected.index, dequantize=False)   # resident per-expert tensors renumbered
-        project = kernel_project(module, staged, quant or {}, rt.compute.isa)
         position = {e: i for i, e in enumerate(selected.ids)}
         slots = [position[e] for e in selected.slots]          # each (token, slot) pair's row in the stacks
         k, dev = selected.k, hidden.device
         weights = top_k_weights.reshape(-1)
         out = torch.empty((len(slots), hidden.size(-1)), dtype=hidden.dtype, device=dev)
-        for start in range(0, len(selected.ids), STREAM_CHUNK):
-            chunk = range(start, min(start + STREAM_CHUNK, len(selected.ids)))
-            deferred.wait(chunk)
-            pairs = [s for s, p in enumerate(slots) if p in chunk]
+        for p in range(len(selected.ids)):                     # ascending: the order the rows are read in
+            deferred.wait([p])
+            # this expert's rows: where they landed, or a host-cache hit's pages in place
+            rows = {name: deferred.placed.get((p, name), stack[p]).unsqueeze(0) for name, stack in staged.items()}
+            pairs = [s for s, q in enumerate(slots) if q == p]
             at = index_tensor(pairs, dev)
             x = hidden.index_select(0, index_tensor([s // k for s in pairs], dev))
-            y = pair_outputs(module, lambda name, i: staged[name][i], project, x,
-                             index_tensor([slots[s] for s in pairs], dev), weights.index_select(0, at))
+            project = kernel_project(module, rows, quant or {}, rt.compute.isa)
+            y = pair_outputs(module, lambda name, i: rows[name][i], project, x,
+                             torch.zeros(len(pairs), dtype=torch.long, device=dev), weights.index_select(0, at))
             out.index_copy_(0, at, y.to(out.dtype))
         return sum_pairs(out, hidden.size(0), k, hidden.dtype)
     finally:
