@@ -65,6 +65,7 @@ bench: setup model engines
 	$(BIN)/python benchmarks/host_compute_bench.py
 	$(BIN)/python benchmarks/host_compute_predict.py
 	$(BIN)/python benchmarks/lookahead_bench.py
+	$(BIN)/python benchmarks/released_disk_bench.py
 	$(BIN)/python benchmarks/serve_bench.py
 
 # The real peer engines, outside the repository and cached by version (MOE_OFFLOAD_ENGINES_DIR, default

@@ -31,6 +31,7 @@ from disk_bench import disk_bandwidth
 from lookahead_bench_arms import GiB, ROOT, drop_caches, parallel_random_bandwidth, run_limited, run_llama, run_ours
 from moe_offload.loading.loader import load_tokenizer
 from released_bench import MODELS, ensure_model
+from step_bench import write_reports
 from rich.console import Console
 from rich.table import Table
 
@@ -156,6 +157,7 @@ def report(res: dict) -> str:
            "host-tier placements read from disk as on a CPU, prefill, then one timed forward per token); llama.cpp: "
            "`llama-completion -n N --ignore-eos -t T -tb T -c 512`, its eval time over its eval runs. The disk MB per "
            "token of ours is what the process read from the block device (/proc/self/io) over the decode steps.", ""]
+    md += [f"- {note}" for note in res.get("notes", [])]
     return "\n".join(md) + "\n"
 
 
@@ -184,13 +186,9 @@ def plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write(res: dict, dirs: list[Path]) -> int:
-    text = report(res)
-    for d in dirs:
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "released_disk_bench.json").write_text(json.dumps(res, indent=1))
-        (d / "released_disk_bench.md").write_text(text)
-        plot(res, d / "released-disk-bench.png")
+def write(res: dict, out: Path, docs: Path | None) -> int:
+    res.setdefault("wall_s", res["elapsed_s"])
+    write_reports("released_disk_bench", "released-disk-bench.png", res, report(res), plot, out, docs)
     return 0
 
 
@@ -208,7 +206,7 @@ def main(argv=None) -> int:
     ap.add_argument("--report-only", type=Path, help="rewrite the md and the plot from a JSON this script wrote")
     args = ap.parse_args(argv)
     if args.report_only:
-        return write(json.loads(args.report_only.read_text()), [args.report_only.parent])
+        return write(json.loads(args.report_only.read_text()), args.report_only.parent, None)
     from step_bench_peers import engines
 
     cfg = dict(QUICK if args.quick else FULL)
@@ -217,7 +215,8 @@ def main(argv=None) -> int:
     model = ensure_model(args.work / folder, make_args)
     full = mo.plan(model, offload_gb=0)
     cfg["total_gib"] = full.total_bytes / GiB
-    block = max(t.bytes // t.shape[0] for t in full.tensors if t.role == "routed_expert") * 3   # gate, up, down
+    first = [t for t in full.tensors if t.role == "routed_expert"]
+    block = sum(t.bytes // t.shape[0] for t in first if t.layer == first[0].layer)   # one expert, every tensor
     ids = load_tokenizer(model)(PROMPT)["input_ids"]      # the whole prompt, as llama.cpp is given it
     logdir = ROOT / "bench-out" / "released-disk-bench-logs"
     logdir.mkdir(parents=True, exist_ok=True)
@@ -251,7 +250,7 @@ def main(argv=None) -> int:
            "llama_load_mode_dio": llama_dio(where) if where.get("ok") else None,
            "resident": resident, "rows": rows, "elapsed_s": time.perf_counter() - began}
     console.print(f"done in {res['elapsed_s']:.0f} s")
-    return write(res, [ROOT / "bench-out"] + ([] if args.quick else [ROOT / "docs"]))
+    return write(res, ROOT / "bench-out", None if args.quick else ROOT / "docs")
 
 
 if __name__ == "__main__":
