@@ -93,7 +93,7 @@ def pair_outputs(module: nn.Module, rows: Callable, project: Callable, x: torch.
     out = project("down_proj", ids, h)
     if module.has_bias:
         out = out + rows("down_proj_bias", ids)
-    if module.has_post_expert_norm:
+    if getattr(module, "has_post_expert_norm", False):   # transformers 5.17 has no such attribute
         out = module.post_expert_norm(out)
     return out * weights.reshape(-1, 1).to(out.dtype)
 

@@ -164,11 +164,14 @@ class RunState:
         def pre(m, args):
             rows, local = Selected.of(args[0])
             read.charge(self, len(rows.ids))
-            self.staged_params.put(m, "weight", stage(list(rows.ids)))
+            weight = stage(list(rows.ids))
+            self.staged_params.put(m, "weight", weight)
             # padding_idx indexes the full table (it only masks gradients): F.embedding rejects it when it is
             # beyond the staged rows, so it is lifted while the staged table is in place.
             m.padding_idx = None
-            return (local, *args[1:])
+            # the ids follow the staged rows: with the table kept in host memory (prefetch) the model's inputs are
+            # on the host (its first parameter's device) while the rows are staged on the accelerator
+            return (local.to(weight.device), *args[1:])
 
         def post(m, args, output):
             set_tensor(m, "weight", home)
