@@ -23,13 +23,12 @@ import time
 from pathlib import Path
 
 import moe_offload as mo
-from disk_bench import disk_bandwidth
 from moe_offload.loading.loader import load_tokenizer
 from rich.console import Console
 from rich.table import Table
 
-from lookahead_bench_arms import (GiB, ROOT, TRAINED, child, drop_caches, ensure_wide, parallel_random_bandwidth,
-                                  prediction, run_llama, run_ours, skew)
+from lookahead_bench_arms import (GiB, ROOT, TRAINED, child, cold_bandwidth, ensure_wide, prediction, run_llama,
+                                  run_ours, skew)
 
 console = Console(highlight=False, width=160)
 FULL = dict(ffn=32768, limit_gb=1.5, reserve_gb=0.75, host_cache_gb=0.55, steps=32, prefill=4, texts=12, pred_steps=48,
@@ -359,10 +358,7 @@ def main(argv=None) -> int:
     full_plan = mo.plan(model, offload_gb=0)
     row_bytes = max(t.bytes // t.shape[0] for t in full_plan.tensors if t.role == "routed_expert")
     def bandwidth(block):
-        drop_caches()
-        b = disk_bandwidth(model, seq_bytes=256 << 20, rand_block=block)
-        b["random_4_in_flight_bytes_per_s"] = parallel_random_bandwidth(model, block)
-        return b
+        return cold_bandwidth(model, block, 256 << 20)
 
     bw = [bandwidth(-(-row_bytes // 4096) * 4096)]
     limit = int(cfg["limit_gb"] * GiB)

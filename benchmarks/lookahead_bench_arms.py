@@ -111,6 +111,17 @@ def parallel_random_bandwidth(folder: Path, block: int, reads: int = 96, threads
     return total / (time.perf_counter() - start)
 
 
+def cold_bandwidth(folder: Path, block: int, seq_bytes: int) -> dict:
+    """disk_bench.disk_bandwidth of the checkpoint's files from a cold page cache (sequential; random reads of `block`
+    bytes one at a time), with the random reads four in flight beside it."""
+    from disk_bench import disk_bandwidth
+
+    drop_caches()
+    b = disk_bandwidth(folder, seq_bytes=seq_bytes, rand_block=block)
+    b["random_4_in_flight_bytes_per_s"] = parallel_random_bandwidth(folder, block)
+    return b
+
+
 # --- 1. prediction on the trained model ------------------------------------------------------------------------
 
 def routing_and_hidden(model, ids: list[int], prefill: int, steps: int) -> list[dict]:

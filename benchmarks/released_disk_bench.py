@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 
 import moe_offload as mo
-from disk_bench import disk_bandwidth
-from lookahead_bench_arms import GiB, ROOT, drop_caches, parallel_random_bandwidth, run_limited, run_llama, run_ours
+from lookahead_bench_arms import GiB, ROOT, cold_bandwidth, run_ours, run_llama
 from moe_offload.loading.loader import load_tokenizer
 from released_bench import MODELS, ensure_model
 from step_bench import write_reports
+from step_bench_peers import engines, machine as peers_machine
 from rich.console import Console
 from rich.table import Table
 
@@ -68,13 +68,6 @@ def llama_dio(where: dict) -> bool:
 
     out = subprocess.run([where["completion"], "--help"], capture_output=True, text=True, timeout=60)
     return "--load-mode" in out.stdout + out.stderr
-
-
-def bandwidth(model: Path, block: int) -> dict:
-    drop_caches()
-    b = disk_bandwidth(model, seq_bytes=1 * GiB, rand_block=block)
-    b["random_4_in_flight_bytes_per_s"] = parallel_random_bandwidth(model, block)
-    return b
 
 
 def derive(res: dict) -> None:
@@ -192,10 +185,11 @@ def write(res: dict, out: Path, docs: Path | None) -> int:
     return 0
 
 
-def machine() -> str:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    return f"{cpu}, {os.cpu_count()} cores, {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / GiB:.0f} GiB, " \
-           f"{platform.system()} {platform.release()}"
+def machine(peers: dict) -> str:
+    """step_bench_peers.machine's CPU and cores, with the RAM and the kernel."""
+    m = peers_machine(peers)
+    return f"{m['cpu']}, {m['cores']} cores, {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / GiB:.0f} " \
+           f"GiB, {platform.system()} {platform.release()}"
 
 
 def main(argv=None) -> int:
@@ -207,8 +201,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.report_only:
         return write(json.loads(args.report_only.read_text()), args.report_only.parent, None)
-    from step_bench_peers import engines
-
     cfg = dict(QUICK if args.quick else FULL)
     began = time.perf_counter()
     folder, make_args, *_ = MODELS[MODEL]
@@ -220,8 +212,9 @@ def main(argv=None) -> int:
     ids = load_tokenizer(model)(PROMPT)["input_ids"]      # the whole prompt, as llama.cpp is given it
     logdir = ROOT / "bench-out" / "released-disk-bench-logs"
     logdir.mkdir(parents=True, exist_ok=True)
-    where = engines()["llama_cpp"]
-    bw = [bandwidth(model, block)]
+    peers = engines()
+    where = peers["llama_cpp"]
+    bw = [cold_bandwidth(model, block, GiB)]
     rows, resident = [], {}
     for t in cfg["threads"]:
         spec = dict(arm_specs(cfg, model, ids, cfg["total_gib"], t)[0], arm="resident", key=f"resident-{t}t",
@@ -242,11 +235,11 @@ def main(argv=None) -> int:
             row = run_llama(model, PROMPT, cfg["steps"], limit, logdir, t)
             rows.append({**row, "cap": cap, "cap_gb": cap_gb, "threads": t})
             console.print(f"{cap:.0%} {t}t llama.cpp: " + (row.get("error") or f"{row['tok_s_mean']:.2f} tok/s"))
-    bw.append(bandwidth(model, block))
+    bw.append(cold_bandwidth(model, block, GiB))
     res = {"config": cfg, "model": model.name, "prompt_tokens": len(ids), "total_bytes": full.total_bytes, "read_block": block, "disk": bw,
            "random_bytes_per_s": statistics.mean(b["random_bytes_per_s"] for b in bw),
            "random_4_in_flight_bytes_per_s": statistics.mean(b["random_4_in_flight_bytes_per_s"] for b in bw),
-           "machine": machine(), "llama_version": where.get("version", "?"),
+           "machine": machine(peers), "llama_version": where.get("version", "?"),
            "llama_load_mode_dio": llama_dio(where) if where.get("ok") else None,
            "resident": resident, "rows": rows, "elapsed_s": time.perf_counter() - began}
     console.print(f"done in {res['elapsed_s']:.0f} s")

@@ -123,6 +123,7 @@ def _disk_rows(rt: "RunState", state: ExpertsLike, t: TensorReads, out: torch.Te
     disk, hits, admit = t.of(Source.DISK), t.of(Source.HOST_PAGE), t.admit_host
     if deferred is not None and land is out:    # queued in the order of the rows; a worker lands each (a read then,
         pages = dict(admit)                     # where admitted, its store in the host cache) while the caller waits
+        queued = {r.position for r in disk}
         for r in disk:
             deferred.read(r.position, partial(_land, rt, src, r.row, out, r.position, pages.get(r.position)))
         for r in hits:                          # a row in one run of pages is read in place by the kernels
@@ -131,7 +132,7 @@ def _disk_rows(rt: "RunState", state: ExpertsLike, t: TensorReads, out: torch.Te
                 deferred.place(r.position, t.name, view)
             else:
                 deferred.read(r.position, partial(rt.host_cache.read, list(r.pages), out[r.position]))
-        admit = [a for a in admit if a[0] not in {r.position for r in disk}]      # look-ahead rows: stored below
+        admit = [a for a in admit if a[0] not in queued]      # the look-ahead's rows: stored below
         disk, hits = [], []
     if disk:
         rt.disk.read_into(src, [r.row for r in disk], land, [r.position for r in disk])

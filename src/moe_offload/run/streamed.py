@@ -30,6 +30,7 @@ from .read_executor import Deferred, execute_sides
 from .read_plan import plan_step
 from .state import Selected, index_tensor
 
+
 def streams(state, fused: bool, cached: bool) -> bool:
     """Whether this layer step is streamed: a decode step of the CPU kernels over disk-tier tensors, on a cpu device,
     not through a device cache."""
