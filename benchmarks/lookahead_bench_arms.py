@@ -266,8 +266,10 @@ def run_limited(cmd: list[str], limit_bytes: int | None, name: str, log: Path, t
 
 def child(spec: dict) -> dict:
     """One arm: load the model as spec says, prefill spec['prefill'] tokens, then one timed decode step per token
-    (spec['greedy']: each step's input is the token the step before chose, else the text's next; spec['experts']:
-    how the experts are computed, load's default when absent)."""
+    (spec['greedy']: each step's input is the token the step before chose, else the text's next; spec['sample']
+    {temperature, seed}: the token the step before drew from its softmax at that temperature, as llama.cpp's
+    `--temp T --top-k 0 --top-p 1 --min-p 0` draws; spec['experts']: how the experts are computed, load's default
+    when absent)."""
     import torch
 
     torch.set_num_threads(spec["threads"])
@@ -316,20 +318,29 @@ def child(spec: dict) -> dict:
     extra = {"logits_to_keep": 1} if takes_keep else {}
     p, steps = spec["prefill"], spec["steps"]
     itl, disk, io, argmax = [], [], [], []
+    sample = spec.get("sample")
+    draw = torch.Generator().manual_seed(sample["seed"]) if sample else None
+
+    def choose(logits) -> int:     # greedy, or drawn from the softmax at the temperature
+        if draw is None:
+            return int(logits.argmax())
+        return int(torch.multinomial(torch.softmax(logits.float() / sample["temperature"], -1), 1, generator=draw))
+
     with torch.no_grad():
         t = time.perf_counter()
         out = model(input_ids=ids[:, :p], use_cache=True, **extra)
         ttft = time.perf_counter() - t
-        first = int(out.logits[0, -1].argmax())
+        first = choose(out.logits[0, -1])
         cache = getattr(out, cache_kw)
         timers.update(stage=0.0, take=0.0)
         for i in range(steps):
             before = _io_read_bytes()
             t = time.perf_counter()
-            # greedy: the token the model chose (as llama.cpp decodes), else the text's next token
-            x = torch.tensor([[argmax[-1] if argmax else first]]) if spec.get("greedy") else ids[:, p + i:p + i + 1]
+            # greedy or sampled: the token the model chose (as llama.cpp decodes), else the text's next token
+            own = spec.get("greedy") or sample
+            x = torch.tensor([[argmax[-1] if argmax else first]]) if own else ids[:, p + i:p + i + 1]
             out = model(input_ids=x, use_cache=True, **{cache_kw: cache}, **extra)
-            argmax.append(int(out.logits[0, -1].argmax()))
+            argmax.append(choose(out.logits[0, -1]))
             itl.append(time.perf_counter() - t)
             io.append(_io_read_bytes() - before)
             disk.append(rt.disk_counter.calls[-1][1])
@@ -362,10 +373,12 @@ def run_ours(spec: dict, limit_bytes: int | None, logdir: Path) -> dict:
 
 # --- llama.cpp, memory-mapped, under the same limit --------------------------------------------------------------
 
-def run_llama(model: Path, prompt: str, steps: int, limit_bytes: int, logdir: Path, threads: int) -> dict:
+def run_llama(model: Path, prompt: str, steps: int, limit_bytes: int, logdir: Path, threads: int,
+              sampling: tuple[str, ...] = ("--temp", "0"), tag: str = "") -> dict:
     """llama-completion on the model's bf16 GGUF (convert_hf_to_gguf.py via tools/engines.py), mmap'd (its default),
     cold page cache, in the cgroup; run once for 1 token and once for steps + 1, so that the difference of their
-    read bytes over steps is what decoding reads per token (the load and prefill cancel)."""
+    read bytes over steps is what decoding reads per token (the load and prefill cancel). `sampling`: its sampler
+    options (greedy by default)."""
     from step_bench_peers import EVAL, engines, ensure_gguf
 
     where = engines()["llama_cpp"]
@@ -376,9 +389,10 @@ def run_llama(model: Path, prompt: str, steps: int, limit_bytes: int, logdir: Pa
     runs = {}
     for n in (1, steps + 1):
         cmd = [where["completion"], "-m", str(gguf), "-p", prompt, "-n", str(n), "--ignore-eos", "-no-cnv",
-               "--temp", "0", "--seed", "0", "-t", str(threads), "-tb", str(threads), "-c", "512"]
-        res = run_limited(cmd, limit_bytes, f"llama-{n}", logdir / f"llama-{n}.out")
-        log = res["stdout"] + (logdir / f"llama-{n}.err").read_text()
+               *sampling, "--seed", "0", "-t", str(threads), "-tb", str(threads), "-c", "512"]
+        name = f"llama{tag}-{n}"
+        res = run_limited(cmd, limit_bytes, name, logdir / f"{name}.out")
+        log = res["stdout"] + (logdir / f"{name}.err").read_text()
         m = EVAL.search(log)
         if res["rc"] != 0 or (n > 1 and m is None):
             return {**base, "error": f"llama-completion -n {n}: exit {res['rc']}", "log_tail": log[-1500:],

@@ -39,21 +39,30 @@ console = Console(highlight=False, width=170)
 MODEL = "qwen3-30b-a3b bf16"
 PROMPT = ("The history of the river valley begins with the first farmers, who cleared the forest along its banks "
           "and planted wheat and barley in the rich soil that the floods left behind each spring.")
-FULL = dict(caps=(0.55, 0.35), threads=(1, 2), steps=32, reserve_gb=1.25, cache_share=0.5)
-QUICK = dict(FULL, caps=(0.55,), threads=(1,), steps=8)
+FULL = dict(caps=(0.55, 0.35), threads=(1, 2), steps=32, reserve_gb=1.25, cache_share=0.5,
+            workloads=("greedy", "sampled"))
+QUICK = dict(FULL, caps=(0.55,), threads=(1,), steps=8, workloads=("sampled",))
+# How each step's token is chosen, by both engines. greedy: the model's argmax (a random-weight model soon repeats
+# one token, so each layer picks nearly the same experts every step: the working set is one token's experts);
+# sampled: drawn from the softmax at temperature 1 with a fixed seed (every step a new token, routing spread as a
+# long real generation spreads it).
+WORKLOADS = {"greedy": (dict(greedy=True), ("--temp", "0")),
+             "sampled": (dict(sample={"temperature": 1.0, "seed": 0}),
+                         ("--temp", "1", "--top-k", "0", "--top-p", "1", "--min-p", "0"))}
 GOAL_LLAMA, GOAL_FLOOR = 1.2, 1.3
 
 
-def arm_specs(cfg: dict, model: Path, ids: list[int], cap_gb: float, threads: int) -> list[dict]:
+def arm_specs(cfg: dict, model: Path, ids: list[int], cap_gb: float, threads: int,
+              workload: str = "greedy") -> list[dict]:
     """(a)-(d) at one cap and thread count. The host cache takes cache_share of the experts the plan keeps resident,
     out of the same --device-memory (its reserve grows by as much; CPU-only, the host cache lives in the reserve)."""
     r = cfg["reserve_gb"]
     plan = mo.plan(model, device_memory_gb=cap_gb, reserve_gb=r)
     resident_experts = sum(t.bytes for t in plan.tensors if t.role == "routed_expert" and t.tier == "device")
     h = round(cfg["cache_share"] * resident_experts / GiB, 2)
-    tag = f"{round(cap_gb * 100 / cfg['total_gib'])}-{threads}t"
+    tag = f"{workload}-{round(cap_gb * 100 / cfg['total_gib'])}-{threads}t"
     common = dict(model=str(model), ids=ids, prefill=len(ids), steps=cfg["steps"], threads=threads,
-                  budget_gb=cap_gb, experts="auto", greedy=True)
+                  budget_gb=cap_gb, experts="auto", **WORKLOADS[workload][0])
     cached = dict(common, reserve_gb=r + h, host_cache_gb=h)
     specs = [dict(common, key="a", label="(a) disk tier", reserve_gb=r),
              dict(cached, key="b", label=f"(b) + host cache {h:g} GiB"),
@@ -73,7 +82,8 @@ def llama_dio(where: dict) -> bool:
 def derive(res: dict) -> None:
     """Floors, ratios and goals, added to the rows and to res['goals']."""
     bw = max(res["random_bytes_per_s"], res["random_4_in_flight_bytes_per_s"])
-    llama = {(r["cap"], r["threads"]): r for r in res["rows"] if r["arm"].startswith("(e)") and "error" not in r}
+    llama = {(r.get("workload", "greedy"), r["cap"], r["threads"]): r for r in res["rows"]
+             if r["arm"].startswith("(e)") and "error" not in r}
     compute = {t: statistics.mean(r["itl_s"]) for t, r in res["resident"].items() if "error" not in r}
     goals = []
     for r in res["rows"]:
@@ -83,27 +93,33 @@ def derive(res: dict) -> None:
         r["disk_floor_ms"] = r["proc_io_read_bytes_per_token"] / bw * 1e3
         r["floor_ms"] = max(r["disk_floor_ms"], 1e3 * compute.get(str(r["threads"]), compute.get(r["threads"], 0)))
         r["vs_floor"] = r["ms_per_token"] / r["floor_ms"] if r["floor_ms"] else None
-        peer = llama.get((r["cap"], r["threads"]))
+        peer = llama.get((r.get("workload", "greedy"), r["cap"], r["threads"]))
         r["vs_llama"] = r["tok_s_mean"] / peer["tok_s_mean"] if peer else None
-    for cap in res["config"]["caps"]:
-        for t in res["config"]["threads"]:
-            ours = [r for r in res["rows"] if r["cap"] == cap and r["threads"] == t and not r["arm"].startswith("(e)")]
-            inside = [r for r in ours if "error" not in r and not r.get("cgroup_oom_kills")]
-            goals.append((f"{cap:.0%}, {t} thread(s): every arm of ours inside its cgroup", len(inside) == len(ours),
-                          ", ".join(f"{r['arm'].split(' ')[0]} " + (f"{r['cgroup_max_usage_bytes'] / GiB:.2f} GiB"
-                                    if "cgroup_max_usage_bytes" in r else r.get("error", "?")) for r in ours)))
-            if not inside:
-                continue
-            best = max(inside, key=lambda r: r["tok_s_mean"])
-            if best.get("vs_llama") is not None:
-                goals.append((f"{cap:.0%}, {t} thread(s): ours >= {GOAL_LLAMA}x llama.cpp mmap",
-                              best["vs_llama"] >= GOAL_LLAMA, f"{best['arm']} {best['tok_s_mean']:.2f} tok/s = "
-                              f"{best['vs_llama']:.2f}x"))
-            goals.append((f"{cap:.0%}, {t} thread(s): ours within {GOAL_FLOOR}x of the floor of the bytes it reads",
-                          best["vs_floor"] <= GOAL_FLOOR, f"{best['arm']} {best['ms_per_token']:.0f} ms/token vs "
-                          f"floor {best['floor_ms']:.0f} ms = {best['vs_floor']:.2f}x"))
+    for w, cap, t in _groups(res):
+        ours = [r for r in res["rows"] if (r.get("workload", "greedy"), r["cap"], r["threads"]) == (w, cap, t)
+                and not r["arm"].startswith("(e)")]
+        inside = [r for r in ours if "error" not in r and not r.get("cgroup_oom_kills")]
+        goals.append((f"{w}, {cap:.0%}, {t} thread(s): every arm of ours inside its cgroup", len(inside) == len(ours),
+                      ", ".join(f"{r['arm'].split(' ')[0]} " + (f"{r['cgroup_max_usage_bytes'] / GiB:.2f} GiB"
+                                if "cgroup_max_usage_bytes" in r else r.get("error", "?")) for r in ours)))
+        if not inside:
+            continue
+        best = max(inside, key=lambda r: r["tok_s_mean"])
+        if best.get("vs_llama") is not None:
+            goals.append((f"{w}, {cap:.0%}, {t} thread(s): ours >= {GOAL_LLAMA}x llama.cpp mmap",
+                          best["vs_llama"] >= GOAL_LLAMA, f"{best['arm']} {best['tok_s_mean']:.2f} tok/s = "
+                          f"{best['vs_llama']:.2f}x"))
+        goals.append((f"{w}, {cap:.0%}, {t} thread(s): ours within {GOAL_FLOOR}x of the floor of the bytes it reads",
+                      best["vs_floor"] <= GOAL_FLOOR, f"{best['arm']} {best['ms_per_token']:.0f} ms/token vs "
+                      f"floor {best['floor_ms']:.0f} ms = {best['vs_floor']:.2f}x"))
     res["goals"] = goals
     res["compute_floor_ms"] = {str(t): v * 1e3 for t, v in compute.items()}
+
+
+def _groups(res: dict) -> list[tuple[str, float, int]]:
+    """(workload, cap, threads) of every measured group, in the order run (a JSON from before workloads: greedy)."""
+    cfg = res["config"]
+    return [(w, c, t) for w in cfg.get("workloads", ("greedy",)) for c in cfg["caps"] for t in cfg["threads"]]
 
 
 def _f(x, fmt="{:.2f}"):
@@ -118,23 +134,28 @@ def report(res: dict) -> str:
           f"{res['machine']}. llama.cpp {res['llama_version']}. Cold page cache before every run; each arm a fresh "
           f"process in a v1 memory cgroup of the cap (RSS and page cache charged), --device-memory = the cap, "
           f"--reserve-gb {res['config']['reserve_gb']} (+ the host cache in (b), (c)); {res['config']['steps']} "
-          f"greedy decode tokens after a {res['prompt_tokens']}-token prompt (the same text for both engines; ours "
-          "computes experts with its CPU kernels, `--experts auto`).", "",
+          f"decode tokens after a {res['prompt_tokens']}-token prompt (the same text for both engines; ours "
+          "computes experts with its CPU kernels, `--experts auto`), each token chosen as the workload says: "
+          "greedy (the argmax: a random-weight model soon repeats one token, so every step routes nearly as the "
+          "last and the working set is one token's experts) or sampled (drawn from the softmax at temperature 1, "
+          "fixed seed; llama.cpp `--temp 1 --top-k 0 --top-p 1 --min-p 0`: a new token every step, routing "
+          "spread as a long generation spreads it).", "",
           f"Disk (the checkpoint's own files, O_DIRECT, random reads of {res['read_block'] / 2**20:.0f} MiB, one "
           f"expert's bytes): {bw1 / 1e9:.2f} GB/s one at a time, {bw4 / 1e9:.2f} GB/s four in flight. Floor: the "
           "bytes an arm read per token (/proc/self/io; llama.cpp: the difference of two runs) over the better of the "
           f"two, or the compute floor (resident, no limit: " + ", ".join(
               f"{v:.0f} ms at {t} thread(s)" for t, v in res["compute_floor_ms"].items()) + ") where higher.", ""]
-    cols = ("cap", "threads", "arm", "tok/s", "x llama.cpp", "disk MB/token", "floor ms", "x floor", "cgroup peak GiB",
+    cols = ("workload", "cap", "threads", "arm", "tok/s", "x llama.cpp", "disk MB/token", "floor ms", "x floor", "cgroup peak GiB",
             "host-cache hit rate")
     table = Table(*cols, title="decode")
     md += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in res["rows"]:
         if "error" in r:
-            cells = (f"{r['cap']:.0%}", str(r["threads"]), r["arm"], r["error"], "", "", "", "", "", "")
+            cells = (r.get("workload", "greedy"), f"{r['cap']:.0%}", str(r["threads"]), r["arm"], r["error"],
+                     "", "", "", "", "", "")
         else:
             looked = r.get("host_cache_hits", 0) + r.get("host_cache_misses", 0)
-            cells = (f"{r['cap']:.0%} ({r['cap_gb']:.2f} GiB)", str(r["threads"]), r["arm"], _f(r["tok_s_mean"]),
+            cells = (r.get("workload", "greedy"), f"{r['cap']:.0%} ({r['cap_gb']:.2f} GiB)", str(r["threads"]), r["arm"], _f(r["tok_s_mean"]),
                      _f(r.get("vs_llama")), _f(r["proc_io_read_bytes_per_token"] / 1e6, "{:.0f}"),
                      _f(r["floor_ms"], "{:.0f}"), _f(r["vs_floor"]), _f(r.get("cgroup_max_usage_bytes", 0) / GiB),
                      _f(r["host_cache_hits"] / looked if looked else None))
@@ -160,17 +181,21 @@ def plot(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = [(c, t) for c in res["config"]["caps"] for t in res["config"]["threads"]]
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.6 * len(groups), 4.4), squeeze=False)
-    for ax, (cap, t) in zip(axes[0], groups):
-        rows = [r for r in res["rows"] if r["cap"] == cap and r["threads"] == t]
+    groups = _groups(res)
+    per_row = len(res["config"]["caps"]) * len(res["config"]["threads"])
+    lines = -(-len(groups) // per_row)
+    fig, axes = plt.subplots(lines, per_row, figsize=(4.6 * per_row, 4.4 * lines), squeeze=False)
+    for ax, (w, cap, t) in zip(axes.flat, groups):
+        rows = [r for r in res["rows"] if (r.get("workload", "greedy"), r["cap"], r["threads"]) == (w, cap, t)]
+        if not rows:
+            continue
         names = [r["arm"].split(" ", 1)[0] for r in rows]
         speeds = [r.get("tok_s_mean") or 0 for r in rows]
         colours = ["tab:orange" if n.startswith("(e") else "tab:blue" for n in names]
         ax.bar_label(ax.bar(names, speeds, color=colours), fmt="%.2f", fontsize=8)
         ax.scatter(names, [1e3 / r["floor_ms"] if r.get("floor_ms") else 0 for r in rows], color="tab:red",
                    marker="_", s=300, zorder=3, label="floor (bytes read / disk bandwidth)")
-        ax.set(title=f"cap {cap:.0%} ({rows[0]['cap_gb']:.2f} GiB), {t} thread(s)", ylabel="decode tokens / s")
+        ax.set(title=f"{w}: cap {cap:.0%} ({rows[0]['cap_gb']:.2f} GiB), {t} thread(s)", ylabel="decode tokens / s")
         ax.legend(fontsize=7)
     fig.suptitle(f"{res['model']} ({res['total_bytes'] / GiB:.1f} GiB) in memory cgroups, cold cache; "
                  f"ours blue, llama.cpp {res['llama_version']} mmap orange")
@@ -222,19 +247,19 @@ def main(argv=None) -> int:
         resident[str(t)] = run_ours(spec, None, logdir)
         console.print(f"resident, {t} thread(s): " + resident[str(t)].get("error", "")
                       + _f(resident[str(t)].get("tok_s_mean")) + " tok/s")
-    for cap in cfg["caps"]:
+    for w, cap, t in _groups({"config": cfg}):
         cap_gb = round(cap * cfg["total_gib"], 2)
         limit = int(cap_gb * GiB)
-        for t in cfg["threads"]:
-            for spec in arm_specs(cfg, model, ids, cap_gb, t):
-                row = run_ours(spec, limit, logdir)
-                rows.append({**row, "cap": cap, "cap_gb": cap_gb, "threads": t, "arm": spec["label"]})
-                console.print(f"{cap:.0%} {t}t {spec['label']}: " + (row.get("error") or f"{row['tok_s_mean']:.2f} tok/s"))
-            if args.no_llama:
-                continue
-            row = run_llama(model, PROMPT, cfg["steps"], limit, logdir, t)
-            rows.append({**row, "cap": cap, "cap_gb": cap_gb, "threads": t})
-            console.print(f"{cap:.0%} {t}t llama.cpp: " + (row.get("error") or f"{row['tok_s_mean']:.2f} tok/s"))
+        where_ = dict(workload=w, cap=cap, cap_gb=cap_gb, threads=t)
+        for spec in arm_specs(cfg, model, ids, cap_gb, t, w):
+            row = run_ours(spec, limit, logdir)
+            rows.append({**row, **where_, "arm": spec["label"]})
+            console.print(f"{w} {cap:.0%} {t}t {spec['label']}: " + (row.get("error") or f"{row['tok_s_mean']:.2f} tok/s"))
+        if args.no_llama:
+            continue
+        row = run_llama(model, PROMPT, cfg["steps"], limit, logdir, t, WORKLOADS[w][1], f"-{w}")
+        rows.append({**row, **where_})
+        console.print(f"{w} {cap:.0%} {t}t llama.cpp: " + (row.get("error") or f"{row['tok_s_mean']:.2f} tok/s"))
     bw.append(cold_bandwidth(model, block, GiB))
     res = {"config": cfg, "model": model.name, "prompt_tokens": len(ids), "total_bytes": full.total_bytes, "read_block": block, "disk": bw,
            "random_bytes_per_s": statistics.mean(b["random_bytes_per_s"] for b in bw),

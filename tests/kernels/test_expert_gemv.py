@@ -3,7 +3,8 @@
 - one arithmetic on every CPU: each instruction-set path this CPU runs (AVX-512, AVX2) gives the portable path's
   bits, for every stored format, tails of rows and columns, transposed stacks, shared experts;
 - the bits do not depend on the thread count, on where the stack lies (alignment), on which other pairs share the
-  call, or on whether the stack is the whole parameter or the selected experts gathered with renumbered ids;
+  call, or on whether the stack is the whole parameter, the selected experts gathered with renumbered ids, or
+  experts lying at pages of a larger arena (a stack whose experts are stride(0) apart, rows overlapping);
 - the values are the products of the stored weights, within float32 rounding of a float64 reference (FP8 and
   MXFP4 against formats/quant_codecs' dequantization);
 - bad arguments are refused with what is wrong.
@@ -120,6 +121,15 @@ def test_bits_do_not_depend_on_threads_alignment_or_company():
     selected = torch.unique(ids)
     local = torch.searchsorted(selected, ids)
     assert torch.equal(expert_gemv(x, w.index_select(0, selected), local), one)
+    # the experts inside a larger arena, each starting at a page (a host cache's arena seen as a stack of rows
+    # starting at every page: overlapping rows, stride(0) one page, not one expert)
+    page = O * K // 2
+    arena = torch.zeros((2 * E + 3) * page, dtype=w.dtype)
+    starts = [3 + 2 * e for e in range(E)]
+    for e, at in enumerate(starts):
+        arena[at * page:at * page + O * K].copy_(w[e].reshape(-1))
+    pages = arena.as_strided(((arena.numel() - O * K) // page + 1, O, K), (page, K, 1))
+    assert torch.equal(expert_gemv(x, pages, torch.tensor([starts[e] for e in ids.tolist()])), one)
 
 
 def test_second_kernel_path_setting_caps_the_instruction_set(monkeypatch):
@@ -134,7 +144,9 @@ def test_bad_arguments_are_refused():
         expert_gemv(x, w, torch.tensor([0, 4]))
     with pytest.raises(RuntimeError, match="x has 16 columns, the experts take 32"):
         expert_gemv(torch.randn(2, 16), w, torch.tensor([0, 1]))
-    with pytest.raises(RuntimeError, match="contiguous"):
+    with pytest.raises(RuntimeError, match="each expert of the stack must be contiguous"):
         expert_gemv(x, w.transpose(1, 2), torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="each expert of the stack must be contiguous"):
+        expert_gemv(x, torch.randn(4, 8, 64)[:, :, ::2], torch.tensor([0, 1]))
     with pytest.raises(RuntimeError, match="unsupported weight dtype"):
         expert_gemv(x, w.to(torch.float64), torch.tensor([0, 1]))

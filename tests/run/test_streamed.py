@@ -4,7 +4,9 @@
   model with nothing offloaded, fused, bit for bit: alone, with the host cache (hits copied and admissions stored
   by the reader threads), with a look-ahead, for a family with biases (gpt-oss), one and two threads;
 - the first expert is computed while a later expert's rows are still being read; host-cache hits in one run
-  of pages are read in place (not copied);
+  of pages, resident rows of split tensors and wholly resident tensors are read in place (not copied), a miss
+  the host cache admits is read straight into its pages, and the experts in place are one kernel call per stack
+  (and the generation stays bitwise the resident fused one with tensors split or wholly resident);
 - `Deferred` issues its jobs in row order and waits only for the rows asked;
 - a checkpoint changed after load is a CheckpointError out of a streamed step, with every read finished.
 
@@ -100,6 +102,48 @@ def test_a_streamed_generation_is_bitwise_the_resident_fused(folder, resident, s
         torch.set_num_threads(before)
     layers = loaded.model.config.num_hidden_layers
     assert len(steps) == (seq.shape[1] - ids.shape[1] - 1) * layers    # every decode step's MoE layers streamed
+    assert torch.equal(seq, want_seq)
+    assert torch.equal(logits, want_logits), f"max |diff| {(logits.float() - want_logits.float()).abs().max()}"
+
+
+def resident_and_on_disk(path, whole_gate_up: bool):
+    """Routed tensors split: experts 1 and 4 on the disk tier, the rest resident; `whole_gate_up`: gate_up_proj
+    wholly resident instead (a layer of the released benchmark's plan: one tensor resident, the other split)."""
+    p0 = mo.plan(path, offload_gb=0)
+
+    def place(t):
+        if t.role != "routed_expert" or (whole_gate_up and t.name.endswith("gate_up_proj")):
+            return t
+        return dataclasses.replace(t, tier=Tier.DISK.value, host_experts=2, host_expert_ids=(1, 4))
+    return dataclasses.replace(p0, tensors=tuple(place(t) for t in p0.tensors))
+
+
+@pytest.mark.exact
+@pytest.mark.parametrize("whole_gate_up", [False, True], ids=["both split", "gate_up resident"])
+def test_resident_experts_and_admitted_misses_are_read_where_they_lie(folder, resident, steps, monkeypatch,
+                                                                      whole_gate_up):
+    """A streamed step reads resident rows (a split tensor's resident stack, a wholly resident parameter) where
+    they lie, reads a miss the host cache admits straight into its pages (no store after the read), and computes
+    the experts whose rows are all in place in one kernel call per stack; the generation stays bitwise the resident
+    fused one."""
+    placed, stores, calls = [], [], []
+    real_place, real_store, real_gemv = Deferred.place, HostCache.store, streamed.expert_gemv
+    monkeypatch.setattr(Deferred, "place", lambda self, p, name, stack, row: placed.append(stack)
+                        or real_place(self, p, name, stack, row))
+    monkeypatch.setattr(HostCache, "store", lambda self, pages, row: stores.append(pages) or real_store(self, pages, row))
+    monkeypatch.setattr(streamed, "expert_gemv", lambda x, stack, ids, **k: calls.append(len(ids))
+                        or real_gemv(x, stack, ids, **k))
+    path = folder("qwen3_moe")
+    ids, (want_seq, want_logits) = resident[1]("qwen3_moe")
+    with load(path, plan=resident_and_on_disk(path, whole_gate_up), experts="fused", host_cache_gb=0.001) as loaded:
+        seq, logits = generate_new(loaded.model, ids)
+        rt = runtime_of(loaded.model)
+        splits = [s.resident for s in rt.splits.values()]
+        stats = rt.host_cache.stats()
+    assert steps and stats["host_cache_misses"] > 0 and stats["host_cache_hits"] > 0, stats
+    assert any(any(stack is r for r in splits) for stack in placed), "no resident row was read in place"
+    assert len(stores) < stats["host_cache_misses"], (len(stores), stats)   # admitted misses read into their pages
+    assert max(calls) > 1, "the experts in place were computed one call each"
     assert torch.equal(seq, want_seq)
     assert torch.equal(logits, want_logits), f"max |diff| {(logits.float() - want_logits.float()).abs().max()}"
 

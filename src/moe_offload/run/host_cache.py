@@ -15,11 +15,12 @@ Reads, for one layer step (planned by read_plan.py, copied by read_executor.py):
     hit        its rows copied from the cache's pages (host memory): counted as host-link bytes, no disk read; a
                CPU-only streamed decode step (streamed.py) reads a row whose pages are one run in place instead
     miss       read from the checkpoint (counted as disk bytes); admitted by the policy, its rows are then
-               copied into pages it claimed (victims' pages freed first)
+               copied into pages it claimed (victims' pages freed first); a streamed step reads a row whose
+               claimed pages are one run straight into them
 
 Memory: one arena of `pages x page_bytes` (uint8; pages.py, the device cache's arena too, here in host memory),
 page_bytes the gcd of every disk-tier expert row, so any set of experts within capacity_bytes fits without
-fragmentation.
+fragmentation. Carved zeroed: every page is touched at load, not by the first admission on the decode path.
 """
 
 from __future__ import annotations
@@ -100,12 +101,21 @@ class HostCache(PagedCache):
         for at, first, n in _runs(pages):
             row[at:at + n].copy_(self.arena[first:first + n])
 
-    def row_view(self, pages: list[int], shape, dtype: torch.dtype) -> torch.Tensor | None:
-        """A cached row as a view of its pages, where they are one run of consecutive ids (the CPU kernels then read it
-        in place: streamed.py), else None (copied out with `read`)."""
+    @staticmethod
+    def run_start(pages: list[int]) -> int | None:
+        """The first page of a row whose pages are one run of consecutive ids, else None (copied out with `read`)."""
         if not pages or any(b != a + 1 for a, b in zip(pages, pages[1:])):
             return None
-        return self.arena[pages[0]:pages[0] + len(pages)].view(-1).view(dtype).view(tuple(shape))
+        return pages[0]
+
+    def stack_view(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """The arena as a stack of rows of `shape` [N, *shape], row i starting at page i (rows overlap; they are
+        only read, and written by the reads that land in them): a row in one run of pages, stack[run_start], is read
+        in place by the CPU kernels (streamed.py), and every such row of a step is one kernel call."""
+        flat = self.arena.view(-1).view(dtype)
+        per_page, row = self.page_bytes // flat.element_size(), math.prod(shape)
+        inner = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+        return flat.as_strided(((flat.numel() - row) // per_page + 1, *shape), (per_page, *inner))
 
     def store(self, pages: list[int], row: torch.Tensor) -> None:
         """An admitted expert's row of one tensor (contiguous, on the cpu) -> its pages."""

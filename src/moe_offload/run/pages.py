@@ -41,7 +41,9 @@ class PagedArena:
         page = math.gcd(*rows)
         pages = min(capacity // page, sum(n // page for n in expert_bytes))
         if self.arena is None or tuple(self.arena.shape) != (pages, page) or self.arena.device != torch.device(device):
-            self.arena = torch.empty((pages, page), dtype=torch.uint8, device=device)
+            # zeros, not empty: every page is touched now, at load, so no admission on the decode path pays the
+            # first-touch faults of its pages (measured: a 6 MiB store into fresh pages took 6-30 ms on a cpu)
+            self.arena = torch.zeros((pages, page), dtype=torch.uint8, device=device)
         self.page_bytes = page
         self.free = list(range(pages - 1, -1, -1))
 

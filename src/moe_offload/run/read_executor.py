@@ -21,7 +21,9 @@ order, so the eager loop's arithmetic is the model's own whatever lies where):
 Given a `Deferred` (streamed.py: a CPU-only decode step), the checkpoint reads are not waited for here: each
 expert's read, and its host-cache admission after it, is queued on it in the order of the rows, so the caller
 computes each expert as soon as its rows have landed while the next ones are read; a host-cache hit whose pages
-are one run is not copied at all (its view is `placed` there, for the kernels to read in place).
+are one run, and a resident row of a split tensor, are not copied at all (their views are `placed` there, for the
+kernels to read in place), and a miss the host cache admits into one run of pages is read straight into them (and
+placed there too): no copy of it but the read's own.
 
 A page copy views a row as uint8 pages of the cache's page size (every cached row is a whole number of them).
 """
@@ -76,8 +78,12 @@ def _tensor(rt: "RunState", state: ExpertsLike, t: TensorReads, count: int, skip
     resident = t.of(Source.RESIDENT)
     if resident and not skip_resident:
         stack = state.split[t.name].resident
-        out.index_copy_(0, index_tensor([r.position for r in resident], dev),
-                        stack.index_select(0, index_tensor([r.row for r in resident], dev)))
+        if deferred is not None and dev.type == "cpu":     # a streamed step's kernels read them where they lie
+            for r in resident:
+                deferred.place(r.position, t.name, stack, r.row)
+        else:
+            out.index_copy_(0, index_tensor([r.position for r in resident], dev),
+                            stack.index_select(0, index_tensor([r.row for r in resident], dev)))
     cached = t.of(Source.DEVICE_PAGE)
     if cached:
         _pages_in(rt.cache.arena, out, cached)
@@ -124,14 +130,21 @@ def _disk_rows(rt: "RunState", state: ExpertsLike, t: TensorReads, out: torch.Te
     if deferred is not None and land is out:    # queued in the order of the rows; a worker lands each (a read then,
         pages = dict(admit)                     # where admitted, its store in the host cache) while the caller waits
         queued = {r.position for r in disk}
-        for r in disk:
-            deferred.read(r.position, partial(_land, rt, src, r.row, out, r.position, pages.get(r.position)))
-        for r in hits:                          # a row in one run of pages is read in place by the kernels
-            view = rt.host_cache.row_view(list(r.pages), out.shape[1:], out.dtype)
-            if view is not None:
-                deferred.place(r.position, t.name, view)
+        cache = rt.host_cache
+        arena = cache.stack_view(out.shape[1:], out.dtype) if cache is not None and (hits or admit) else None
+        for r in disk:                          # admitted into one run of pages: read straight into them
+            start = cache.run_start(list(pages[r.position])) if pages.get(r.position) else None
+            if start is not None:
+                deferred.place(r.position, t.name, arena, start)
+                deferred.read(r.position, partial(src.read_rows, [r.row], arena[start].unsqueeze(0)))
             else:
-                deferred.read(r.position, partial(rt.host_cache.read, list(r.pages), out[r.position]))
+                deferred.read(r.position, partial(_land, rt, src, r.row, out, r.position, pages.get(r.position)))
+        for r in hits:                          # a row in one run of pages is read in place by the kernels
+            start = cache.run_start(list(r.pages))
+            if start is not None:
+                deferred.place(r.position, t.name, arena, start)
+            else:
+                deferred.read(r.position, partial(cache.read, list(r.pages), out[r.position]))
         admit = [a for a in admit if a[0] not in queued]      # the look-ahead's rows: stored below
         disk, hits = [], []
     if disk:
@@ -165,15 +178,21 @@ class Deferred:
     admission; host-cache pages): queued per row position (`read`); `start(submit)` issues them in position order on
     the disk tier's threads, `wait(positions)` returns once those rows have landed (a read's error raised there),
     `finish()` waits for every job still running (the buffers are reused by the next step). `placed`: (position,
-    tensor) -> a row not copied at all, read where it lies (a host-cache hit in one run of pages)."""
+    tensor) -> (stack, row): a row not copied into the gathered stack, read where it lies (a resident row of a split
+    tensor; a host-cache row in one run of pages, a hit or a miss read straight into them) as stack[row]."""
 
     def __init__(self):
         self._queued: dict[int, list[Callable]] = {}
         self._running: dict[int, list[Future]] = {}
-        self.placed: dict[tuple[int, str], torch.Tensor] = {}
+        self.placed: dict[tuple[int, str], tuple[torch.Tensor, int]] = {}
 
-    def place(self, position: int, name: str, row: torch.Tensor) -> None:
-        self.placed[(position, name)] = row
+    def place(self, position: int, name: str, stack: torch.Tensor, row: int) -> None:
+        self.placed[(position, name)] = (stack, row)
+
+    @property
+    def pending(self) -> set[int]:
+        """The positions with jobs queued or not yet waited for."""
+        return set(self._queued) | set(self._running)
 
     def read(self, position: int, job: Callable) -> None:
         self._queued.setdefault(position, []).append(job)

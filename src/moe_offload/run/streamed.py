@@ -6,12 +6,16 @@ the disk reads. Here the step's read plan (read_plan.plan_step, charged once, as
 the same executor with its row copies queued (read_executor.Deferred): checkpoint reads, each followed by its
 host-cache admission, and host-cache pages, issued in ascending expert order on the disk tier's reader threads.
 A host-cache hit whose pages are one run of the arena is not copied at all: the kernels read it there, as
-llama.cpp's read its page-cache pages. The caller's thread meanwhile computes the selected experts one by one,
-each as soon as its rows have landed:
+llama.cpp's read its page-cache pages; nor is a resident expert (a split tensor's resident row, a whole resident
+tensor's): the kernels read the module's own memory, as the resident fused step does. A miss the host cache
+admits into one run of pages is read straight into them. The caller's thread meanwhile computes the experts whose
+rows are all in place at once, then each of the others as soon as its rows have landed:
 
-    plan, charge; execute (look-ahead rows copied, hits in one run placed, everything else queued), start the queue
-    per selected expert, ascending: wait for its rows; its (token, expert) pairs by the CPU kernels
-        (fused.kernel_project over its rows, grouped.pair_outputs), put in their slots
+    plan, charge; execute (look-ahead rows copied, hits in one run and resident rows placed, the rest queued), start
+    the experts with nothing queued: their (token, expert) pairs by the CPU kernels, one call per projection and
+        stack the rows lie in (the module's parameter, a split tensor's resident stack, the host cache's arena
+        seen as a stack of rows starting at every page, the gathered buffer), grouped.pair_outputs
+    each other expert, in the order its rows are read: wait for them; its pairs likewise
     every token's pairs summed in slot order (grouped.sum_pairs)
 
 The kernels compute each pair on its own (a row's dot products do not depend on the call's other pairs) and the
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .fused import kernel_project
+from ..kernels import expert_gemv
 from .grouped import pair_outputs, sum_pairs
 from .read_executor import Deferred, execute_sides
 from .read_plan import plan_step
@@ -32,15 +36,15 @@ from .state import Selected, index_tensor
 
 
 def streams(state, fused: bool, cached: bool) -> bool:
-    """Whether this layer step is streamed: a decode step of the CPU kernels over disk-tier tensors, on a cpu device,
-    not through a device cache."""
+    """Whether this layer step is streamed: a decode step of the CPU kernels over disk-tier tensors (of a float
+    format), on a cpu device, not through a device cache."""
     rt = state.runtime
-    return bool(state.disk) and fused and not cached and rt.decode_step and rt.device.type == "cpu" \
-        and rt.disk is not None
+    return bool(state.disk) and fused and not cached and not state.quant and rt.decode_step \
+        and rt.device.type == "cpu" and rt.disk is not None
 
 
 def streamed_step(state, module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                  quant) -> torch.Tensor:
+                  quant=None) -> torch.Tensor:
     """The experts module's output [T, H], its selected experts computed as their rows land."""
     rt = state.runtime
     selected, _ = Selected.of(top_k_index)
@@ -51,23 +55,69 @@ def streamed_step(state, module, hidden: torch.Tensor, top_k_index: torch.Tensor
         staged, _ = execute_sides(rt, state, plan, deferred=deferred)
         deferred.start(rt.disk.submit)
         state.end_lookahead(plan)
-        state.complete(module, staged, selected.index, dequantize=False)   # resident per-expert tensors renumbered
+        sources = _sources(module, state, selected.ids, staged, deferred)
         position = {e: i for i, e in enumerate(selected.ids)}
-        slots = [position[e] for e in selected.slots]          # each (token, slot) pair's row in the stacks
+        slots = [position[e] for e in selected.slots]          # each (token, slot) pair's position in the selection
         k, dev = selected.k, hidden.device
         weights = top_k_weights.reshape(-1)
         out = torch.empty((len(slots), hidden.size(-1)), dtype=hidden.dtype, device=dev)
-        for p in range(len(selected.ids)):                     # ascending: the order the rows are read in
-            deferred.wait([p])
-            # this expert's rows: where they landed, or a host-cache hit's pages in place
-            rows = {name: deferred.placed.get((p, name), stack[p]).unsqueeze(0) for name, stack in staged.items()}
-            pairs = [s for s, q in enumerate(slots) if q == p]
+        project = _project(module, sources, rt.compute.isa)
+
+        def rows(name, ids):     # a per-expert tensor's rows (a bias) of these positions
+            return torch.stack([stack[row] for stack, row in (sources[name][p] for p in ids.tolist())])
+
+        def compute(positions: set[int]) -> None:
+            pairs = [s for s, q in enumerate(slots) if q in positions]
             at = index_tensor(pairs, dev)
             x = hidden.index_select(0, index_tensor([s // k for s in pairs], dev))
-            project = kernel_project(module, rows, quant or {}, rt.compute.isa)
-            y = pair_outputs(module, lambda name, i: rows[name][i], project, x,
-                             torch.zeros(len(pairs), dtype=torch.long, device=dev), weights.index_select(0, at))
+            y = pair_outputs(module, rows, project, x, torch.tensor([slots[s] for s in pairs]),
+                             weights.index_select(0, at))
             out.index_copy_(0, at, y.to(out.dtype))
+
+        later = sorted(deferred.pending)
+        ready = set(range(len(selected.ids))) - set(later)
+        if ready:
+            compute(ready)
+        for p in later:                                        # the order their rows are read in
+            deferred.wait([p])
+            compute({p})
         return sum_pairs(out, hidden.size(0), k, hidden.dtype)
     finally:
         deferred.finish()
+
+
+def _sources(module, state, ids: list[int], staged: dict, deferred: Deferred) -> dict[str, list]:
+    """Per-expert tensor -> per position of the selection, (stack, row): where the kernels read that expert."""
+    sources = {name: [deferred.placed.get((i, name), (stack, i)) for i in range(len(ids))]
+               for name, stack in staged.items()}
+    for name, p in module.named_parameters(recurse=False):     # resident whole: the module's own parameter
+        if name not in sources and p.dim() >= 1 and p.shape[0] == state.num_experts:
+            sources[name] = [(p, e) for e in ids]
+    return sources
+
+
+def _project(module, sources: dict[str, list], isa):
+    """grouped.pair_outputs's `project` over `sources`: ids are positions of the selection; one kernel call per
+    stack their rows lie in (each pair is computed on its own, so the grouping changes no bit)."""
+    transposed = bool(getattr(module, "is_transposed", False))
+
+    def project(name: str, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+        for i, p in enumerate(ids.tolist()):
+            stack, row = sources[name][p]
+            g = groups.setdefault(id(stack), (stack, [], []))
+            g[1].append(i)
+            g[2].append(row)
+        if len(groups) == 1:
+            stack, _, at = next(iter(groups.values()))
+            return expert_gemv(x, stack, torch.tensor(at), transposed=transposed, isa=isa).to(x.dtype)
+        out = None
+        for stack, members, at in groups.values():
+            y = expert_gemv(x.index_select(0, torch.tensor(members)), stack, torch.tensor(at), transposed=transposed,
+                            isa=isa)
+            if out is None:
+                out = torch.empty((x.size(0), y.size(-1)), dtype=y.dtype)
+            out.index_copy_(0, torch.tensor(members), y)
+        return out.to(x.dtype)
+
+    return project

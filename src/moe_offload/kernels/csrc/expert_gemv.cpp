@@ -2,7 +2,8 @@
 //
 //   out[s, o] = sum_i  W[ids[s]][o, i] * x[s, i]        (float32 accumulation, float32 result)
 //
-// W is an expert stack as it lies (a resident parameter, a host view, a gathered buffer, a cache page): float32,
+// W is an expert stack as it lies (a resident parameter, a host view, a gathered buffer, cache pages; each expert's
+// matrix contiguous, the experts stride(0) apart): float32,
 // bfloat16 or float16 [E, O, K] (or transposed [E, K, O]); FP8 e4m3 [E, O, K] with float32 block scales
 // [E, R, ceil(K/bk)] (`row_block[o]` is the scale row of output row o); MXFP4 e2m1 blocks [E, O, K/32, 16] with
 // e8m0 scales [E, O, K/32]. Nothing is dequantized into memory: each 16 values are decoded in registers and
@@ -575,7 +576,10 @@ at::Tensor expert_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "expert_gemv: x must be [S, K] float32");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.size(0) == x.size(0),
               "expert_gemv: ids must be [S] int64");
-  TORCH_CHECK(w.is_contiguous(), "expert_gemv: the expert stack must be contiguous");
+  // Each expert's matrix contiguous; the experts w.stride(0) elements apart (a contiguous stack, or a view whose
+  // experts start at every page of a cache arena: rows may overlap, they are only read).
+  TORCH_CHECK(w.dim() >= 1 && (w.size(0) <= 1 ? w.is_contiguous() : w.stride(0) > 0 && w[0].is_contiguous()),
+              "expert_gemv: each expert of the stack must be contiguous");
   const int64_t wtype = wtype_of(w, fmt);
   const int64_t S = x.size(0), E = w.size(0);
   int64_t O, K;
@@ -626,7 +630,7 @@ at::Tensor expert_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   Job j{};
   j.w = static_cast<const uint8_t*>(w.data_ptr());
   j.wtype = wtype;
-  j.w_expert_bytes = w.numel() / E * w.element_size();
+  j.w_expert_bytes = w.stride(0) * w.element_size();
   j.O = O; j.K = K; j.transposed = transposed;
   j.x = xp.data(); j.Kp = Kp;
   at::Tensor sc;
