@@ -99,15 +99,17 @@ def _io_read_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
 
 
-def disk_plan(folder: Path, budget_gb: float, reserve_gb: float):
+def disk_plan(folder: Path, budget_gb: float, reserve_gb: float, stats: dict | None = None):
     """The plan a CPU-only machine makes for `--device-memory budget --reserve-gb reserve`: RAM is the device,
     everything that leaves it is on the disk tier (a host-tier placement, where the planner still gives one, is
-    read as disk: on a CPU there is no other memory)."""
+    read as disk: on a CPU there is no other memory). `stats` (layer -> picks per expert): the frequency policy's
+    plan, the experts RAM holds chosen by those routing statistics."""
     import dataclasses
 
     import moe_offload as mo
 
-    plan = mo.plan(folder, device_memory_gb=budget_gb, reserve_gb=reserve_gb)
+    policy = dict(policy="frequency", stats={int(k): v for k, v in stats.items()}) if stats else {}
+    plan = mo.plan(folder, device_memory_gb=budget_gb, reserve_gb=reserve_gb, **policy)
     return dataclasses.replace(plan, tensors=tuple(dataclasses.replace(t, tier="disk") if t.tier == "host" else t
                                                    for t in plan.tensors))
 

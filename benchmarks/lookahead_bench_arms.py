@@ -306,7 +306,7 @@ def child(spec: dict) -> dict:
     if spec["arm"] == "resident":
         model, plan = load(folder, device="cpu", offload_gb=0, experts=spec.get("experts"))
     else:
-        plan = disk_plan(folder, spec["budget_gb"], spec["reserve_gb"])
+        plan = disk_plan(folder, spec["budget_gb"], spec["reserve_gb"], spec.get("stats"))
         model, plan = load(folder, device="cpu", plan=plan, host_cache_gb=spec.get("host_cache_gb"),
                            lookahead=spec.get("lookahead", 0), lookahead_from=spec.get("lookahead_from", "output"),
                            disk_read=spec.get("disk_read", "direct"), experts=spec.get("experts"))

@@ -50,12 +50,18 @@ WORKLOADS = {"greedy": (dict(greedy=True), ("--temp", "0")),
              "sampled": (dict(sample={"temperature": 1.0, "seed": 0}),
                          ("--temp", "1", "--top-k", "0", "--top-p", "1", "--min-p", "0"))}
 GOAL_LLAMA, GOAL_FLOOR = 1.2, 1.3
+# The routing statistics our plans are made with (the frequency policy): recorded once, resident, on another text
+# with another seed than the measured runs, as a user records a trace of their own prompts before planning.
+CALIBRATION = ("Rain fell on the harbour town all night; by morning the fishing boats rocked at their moorings while "
+               "the market opened under canvas and the baker counted loaves for the ferry crews.")
 
 
 def arm_specs(cfg: dict, model: Path, ids: list[int], cap_gb: float, threads: int,
-              workload: str = "greedy") -> list[dict]:
-    """(a)-(d) at one cap and thread count. The host cache takes cache_share of the experts the plan keeps resident,
-    out of the same --device-memory (its reserve grows by as much; CPU-only, the host cache lives in the reserve)."""
+              workload: str = "greedy", stats: dict | None = None) -> list[dict]:
+    """(a)-(d) at one cap and thread count, planned with the routing statistics `stats` (the frequency policy:
+    the experts RAM holds are those the calibration picked most), and (b0): (b) planned without them. The host
+    cache takes cache_share of the experts the plan keeps resident, out of the same --device-memory (its reserve
+    grows by as much; CPU-only, the host cache lives in the reserve)."""
     r = cfg["reserve_gb"]
     plan = mo.plan(model, device_memory_gb=cap_gb, reserve_gb=r)
     resident_experts = sum(t.bytes for t in plan.tensors if t.role == "routed_expert" and t.tier == "device")
@@ -64,11 +70,36 @@ def arm_specs(cfg: dict, model: Path, ids: list[int], cap_gb: float, threads: in
     common = dict(model=str(model), ids=ids, prefill=len(ids), steps=cfg["steps"], threads=threads,
                   budget_gb=cap_gb, experts="auto", **WORKLOADS[workload][0])
     cached = dict(common, reserve_gb=r + h, host_cache_gb=h)
-    specs = [dict(common, key="a", label="(a) disk tier", reserve_gb=r),
-             dict(cached, key="b", label=f"(b) + host cache {h:g} GiB"),
-             dict(cached, key="c", label=f"(c) + host cache {h:g} GiB + lookahead 1", lookahead=1),
-             dict(common, key="d", label="(d) disk reads via mmap", reserve_gb=r, disk_read="mmap")]
+    planned = dict(stats=stats) if stats else {}
+    specs = [dict(common, key="a", label="(a) disk tier", reserve_gb=r, **planned),
+             dict(cached, key="b", label=f"(b) + host cache {h:g} GiB", **planned),
+             dict(cached, key="c", label=f"(c) + host cache {h:g} GiB + lookahead 1", lookahead=1, **planned),
+             dict(common, key="d", label="(d) disk reads via mmap", reserve_gb=r, disk_read="mmap", **planned)]
+    if stats:
+        specs.append(dict(cached, key="b0", label=f"(b0) = (b) planned without routing statistics"))
     return [dict(s, arm=s["key"], key=f"{s['key']}-{tag}") for s in specs]
+
+
+def calibrate(cfg: dict, model: Path, logdir: Path) -> dict:
+    """Routing statistics for the frequency plans: the model resident (no limit), prefilled with CALIBRATION and
+    decoding cfg['steps'] sampled tokens (seed 1; the measured runs use seed 0 and PROMPT): layer -> picks per
+    expert over those decode tokens (what traces.expert_counts makes of a recorded trace)."""
+    ids = load_tokenizer(model)(CALIBRATION)["input_ids"]
+    spec = dict(arm_specs(cfg, model, ids, cfg["total_gib"], max(cfg["threads"]), "sampled")[0], arm="resident",
+                key="calibration", label="calibration", sample={"temperature": 1.0, "seed": 1})
+    row = run_ours(spec, None, logdir)
+    if "error" in row:
+        raise SystemExit(f"error: the calibration run failed ({row['error']}): {row.get('stderr_tail', '')[-600:]}")
+    counts: dict[int, list[int]] = {}
+    for step in row["routed"]:
+        for layer, experts in step.items():
+            c = counts.setdefault(int(layer), [0] * cfg["num_experts"])
+            for e in experts:
+                c[e] += 1
+    console.print("calibration: distinct experts per layer over its decode tokens: "
+                  + ", ".join(str(sum(1 for n in c if n)) for _, c in sorted(counts.items())))
+    return {"prompt": CALIBRATION, "tokens": len(row["routed"]), "seed": 1, "stats": counts,
+            "distinct_experts_per_layer": {str(k): sum(1 for n in c if n) for k, c in sorted(counts.items())}}
 
 
 def llama_dio(where: dict) -> bool:
@@ -166,9 +197,14 @@ def report(res: dict) -> str:
     for name, ok, how in res["goals"]:
         md.append(f"- {'met' if ok else 'MISSED'}: {name}: {how}")
         console.print(f"{'met   ' if ok else 'MISSED'} {name}: {how}")
+    cal = res.get("calibration")
     md += ["", "## Method", "", "`.venv/bin/python benchmarks/released_disk_bench.py` (in `make bench`). Ours: "
            "benchmarks/lookahead_bench_arms.py's child (load with the plan of `--device-memory CAP --reserve-gb R`, "
-           "host-tier placements read from disk as on a CPU, prefill, then one timed forward per token); llama.cpp: "
+           "host-tier placements read from disk as on a CPU, prefill, then one timed forward per token)"
+           + (f"; (a)-(d) planned by the frequency policy from routing statistics recorded once beforehand, the "
+              f"model resident, on another text ({cal['tokens']} sampled decode tokens, seed {cal['seed']}; distinct "
+              f"experts per layer: {', '.join(map(str, cal['distinct_experts_per_layer'].values()))}), (b0) by the default "
+              "policy without them" if cal else "") + "; llama.cpp: "
            "`llama-completion -n N --ignore-eos -t T -tb T -c 512`, its eval time over its eval runs. The disk MB per "
            "token of ours is what the process read from the block device (/proc/self/io) over the decode steps.", ""]
     md += [f"- {note}" for note in res.get("notes", [])]
@@ -232,6 +268,7 @@ def main(argv=None) -> int:
     model = ensure_model(args.work / folder, make_args)
     full = mo.plan(model, offload_gb=0)
     cfg["total_gib"] = full.total_bytes / GiB
+    cfg["num_experts"] = json.loads((model / "config.json").read_text())["num_experts"]
     first = [t for t in full.tensors if t.role == "routed_expert"]
     block = sum(t.bytes // t.shape[0] for t in first if t.layer == first[0].layer)   # one expert, every tensor
     ids = load_tokenizer(model)(PROMPT)["input_ids"]      # the whole prompt, as llama.cpp is given it
@@ -247,11 +284,13 @@ def main(argv=None) -> int:
         resident[str(t)] = run_ours(spec, None, logdir)
         console.print(f"resident, {t} thread(s): " + resident[str(t)].get("error", "")
                       + _f(resident[str(t)].get("tok_s_mean")) + " tok/s")
+    calibration = calibrate(cfg, model, logdir)
+    stats = calibration.pop("stats")
     for w, cap, t in _groups({"config": cfg}):
         cap_gb = round(cap * cfg["total_gib"], 2)
         limit = int(cap_gb * GiB)
         where_ = dict(workload=w, cap=cap, cap_gb=cap_gb, threads=t)
-        for spec in arm_specs(cfg, model, ids, cap_gb, t, w):
+        for spec in arm_specs(cfg, model, ids, cap_gb, t, w, stats):
             row = run_ours(spec, limit, logdir)
             rows.append({**row, **where_, "arm": spec["label"]})
             console.print(f"{w} {cap:.0%} {t}t {spec['label']}: " + (row.get("error") or f"{row['tok_s_mean']:.2f} tok/s"))
@@ -266,7 +305,7 @@ def main(argv=None) -> int:
            "random_4_in_flight_bytes_per_s": statistics.mean(b["random_4_in_flight_bytes_per_s"] for b in bw),
            "machine": machine(peers), "llama_version": where.get("version", "?"),
            "llama_load_mode_dio": llama_dio(where) if where.get("ok") else None,
-           "resident": resident, "rows": rows, "elapsed_s": time.perf_counter() - began}
+           "resident": resident, "calibration": calibration, "rows": rows, "elapsed_s": time.perf_counter() - began}
     console.print(f"done in {res['elapsed_s']:.0f} s")
     return write(res, ROOT / "bench-out", None if args.quick else ROOT / "docs")
 
