@@ -1,5 +1,5 @@
 """The pieces of benchmarks/lookahead_bench.py that measure: the widened model, the prediction on the trained model,
-the memory cgroup, one arm's child process (ours) and llama.cpp's run under the same limit.
+one arm's child process (ours) and llama.cpp's run under the same limit (the memory cgroup: memory_cgroup.py).
 
 The widened model: the trained Qwen3-MoE (models/trained-qwen3moe) with only its routed experts widened from
 moe_intermediate_size 64 to FFN. Each expert keeps its trained 64 units; the added units are random (gate/up
@@ -16,14 +16,12 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINED = ROOT / "models" / "trained-qwen3moe"
-CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 DOWN_STD = 1e-3     # the added units' down_proj: their output is ~1% of a trained expert's (measured: routing agreement)
 GiB = 1 << 30
 
@@ -216,50 +214,9 @@ def skew(picks: list[int]) -> float:
     return sum(sorted(picks, reverse=True)[:top]) / max(1, sum(picks))
 
 
-# --- the memory limit ------------------------------------------------------------------------------------------
+# --- the memory limit: memory_cgroup.py -------------------------------------------------------------------
 
-def drop_caches() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("1\n")
-
-
-def run_limited(cmd: list[str], limit_bytes: int | None, name: str, log: Path, timeout_s: float = 900) -> dict:
-    """Run cmd in a fresh v1 memory cgroup of limit_bytes (None: no limit, no cgroup) after dropping the page cache:
-    its exit code, stdout, rusage (read bytes, max RSS) and the cgroup's peak charge, failcnt and OOM kills."""
-    cg = CGROUP_ROOT / f"lookahead-bench-{name}"
-    if limit_bytes is not None:
-        if cg.exists():
-            cg.rmdir()
-        cg.mkdir()
-        (cg / "memory.limit_in_bytes").write_text(str(limit_bytes))
-    drop_caches()
-    procs = str(cg / "cgroup.procs")
-
-    def join():     # in the child, before exec: everything it maps or reads is charged to the cgroup
-        with open(procs, "w") as f:
-            f.write(str(os.getpid()))
-
-    start = time.perf_counter()
-    with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err:
-        p = subprocess.Popen(cmd, stdout=out, stderr=err, preexec_fn=join if limit_bytes is not None else None)
-        deadline = start + timeout_s
-        while True:
-            pid, status, ru = os.wait4(p.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.perf_counter() > deadline:
-                p.kill()
-            time.sleep(0.05)
-    p.returncode = os.waitstatus_to_exitcode(status)
-    res = {"rc": p.returncode, "wall_s": time.perf_counter() - start, "stdout": log.read_text(),
-           "stderr_tail": log.with_suffix(".err").read_text()[-3000:],
-           "child_read_bytes": ru.ru_inblock * 512, "child_maxrss_bytes": ru.ru_maxrss * 1024}
-    if limit_bytes is not None:
-        oom = dict(line.split() for line in (cg / "memory.oom_control").read_text().splitlines())
-        res.update(cgroup_limit_bytes=limit_bytes, cgroup_max_usage_bytes=int((cg / "memory.max_usage_in_bytes").read_text()),
-                   cgroup_failcnt=int((cg / "memory.failcnt").read_text()), cgroup_oom_kills=int(oom.get("oom_kill", 0)))
-        cg.rmdir()
-    return res
+from memory_cgroup import CGROUP_ROOT, drop_caches, run_limited  # noqa: E402,F401  (imported from here by the benchmarks)
 
 
 # --- one arm of ours, in its own process ------------------------------------------------------------------------
