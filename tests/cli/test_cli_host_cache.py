@@ -36,10 +36,11 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def budget(model_dir) -> list[str]:
     total = mo.plan(model_dir, offload_gb=0).total_bytes
-    options = ["--device", "cpu", "--device-memory", repr(total // 3 / GiB), "--reserve-gb", repr(5 * EXPERT / GiB)]
+    options = ["--device", "cpu", "--device-memory", repr(total // 3 / GiB + 1), "--reserve-gb", repr(1 + 5 * EXPERT / GiB)]
     # with or without the carve (the reserve is the room beside the weights), every routed expert is on disk
     for reserve in (5, 1):
-        p = mo.plan(model_dir, device_memory_gb=total // 3 / GiB, reserve_gb=reserve * EXPERT / GiB, cpu_only=True)
+        p = mo.plan(model_dir, device_memory_gb=total // 3 / GiB + 1, reserve_gb=1 + reserve * EXPERT / GiB,
+                    cpu_only=True)
         assert all(t.tier == Tier.DISK for t in p.tensors if t.role == "routed_expert")
     return options
 

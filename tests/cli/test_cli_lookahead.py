@@ -36,9 +36,9 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def budget(model_dir) -> list[str]:
     total = mo.plan(model_dir, offload_gb=0).total_bytes
-    plan = mo.plan(model_dir, device_memory_gb=total // 3 / GiB, reserve_gb=0, cpu_only=True)
+    plan = mo.plan(model_dir, device_memory_gb=total // 3 / GiB + 1, reserve_gb=1, cpu_only=True)
     assert sum(t.tier == Tier.DISK for t in plan.tensors if t.role == "routed_expert") >= LAYERS
-    return ["--device", "cpu", "--device-memory", repr(total // 3 / GiB), "--reserve-gb", "0"]
+    return ["--device", "cpu", "--device-memory", repr(total // 3 / GiB + 1), "--reserve-gb", "1"]
 
 
 def _generate(capsys, model_dir, budget, *extra) -> dict:

@@ -32,7 +32,7 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def disk_plan(folder):
     total = mo.plan(folder, offload_gb=0).total_bytes
-    return mo.plan(folder, device_memory_gb=total // 3 / GiB, reserve_gb=0, cpu_only=True)
+    return mo.plan(folder, device_memory_gb=total // 3 / GiB + 1, reserve_gb=1, cpu_only=True)
 
 
 def decode(model, folder, n: int = 4):

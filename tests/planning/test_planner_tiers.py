@@ -280,7 +280,7 @@ def folder(tmp_path):
 def test_cli_plan_device_cpu_puts_the_rest_on_disk_and_cuda_on_the_host(folder, capsys):
     # device 80000 B, no reserve: 28288 B must leave: the embedding 16384, then 11904 B of experts: the last 3
     # of L0 gate_up_proj's 4096 B experts (12288 B). On cpu all 28672 B go to disk; for cuda, to the host.
-    common = ["plan", folder, "--device-memory", arg(80000), "--reserve-gb", "0", "--json"]
+    common = ["plan", folder, "--device-memory", arg(80000 + GiB), "--reserve-gb", "1", "--json"]   # 1 GiB: the process
     rc, out, err = cli(capsys, *common, "--device", "cpu")
     assert rc == 0, err
     doc = json.loads(out)

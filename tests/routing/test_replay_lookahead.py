@@ -24,7 +24,7 @@ def folder(tmp_path_factory):
 
 
 def _disk_bound(folder, **kw):
-    return mo.load(folder, device_memory_gb=0.004, reserve_gb=0.001, cpu_only=True, **kw)
+    return mo.load(folder, device_memory_gb=1.003, reserve_gb=1, cpu_only=True, **kw)
 
 
 @pytest.mark.parametrize("host_cache_gb,cache_gb", [(None, None), (0.0005, None), (None, 0.0003), (0.0005, 0.0003)],

@@ -300,9 +300,11 @@ def test_with_device_memory_the_cache_comes_out_of_the_reserve(capsys, models, p
     assert plan.offloaded_bytes > 0 and model.moe_offload_runtime.cache.capacity_bytes == 1 << 19
     with pytest.raises(BudgetError, match="does not fit in the 0.000976562 GiB reserve"):
         _load(folder, (1 << 20) + 1, **budget)
+    # the CLI on this CPU: its reserve also holds the process itself (1 GiB more, measured far below): a cache larger
+    # than that reserve does not fit
     code, out, err = _cli(capsys, "generate", folder, "--prompt", "x", "--device", "cpu", "--device-memory",
-                          budget["device_memory_gb"], "--reserve-gb", budget["reserve_gb"], "--cache-gb", 0.002)
-    assert code == 2 and err.startswith("error: --cache-gb 0.002 does not fit") and "--reserve-gb" in err
+                          budget["device_memory_gb"] + 1, "--reserve-gb", budget["reserve_gb"] + 1, "--cache-gb", 1.002)
+    assert code == 2 and err.startswith("error: --cache-gb 1.002 does not fit") and "--reserve-gb" in err
 
 
 # --- reports ------------------------------------------------------------------------------------------------------

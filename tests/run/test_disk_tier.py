@@ -294,7 +294,7 @@ def test_generate_cli_reads_the_rest_from_disk_and_says_how(folders, capsys):
         return json.loads(capsys.readouterr().out)
 
     resident = generate()
-    disk = generate("--device-memory", "0.0001", "--reserve-gb", "0")
+    disk = generate("--device-memory", "1.0001", "--reserve-gb", "1")    # 1 GiB: the process's own
     assert disk["token_ids"] == resident["token_ids"]
     assert disk["disk_read_bytes_per_token"] > 0 and disk["host_link_bytes_per_token"] == 0
     assert disk["link_bytes_per_token"] == disk["disk_read_bytes_per_token"]

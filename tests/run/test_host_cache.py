@@ -185,7 +185,7 @@ def _host_bytes(plan):
 def test_the_host_cache_comes_out_of_host_memory(folder):
     p0 = mo.plan(folder, offload_gb=0)
     device, host, cache = gb(p0.total_bytes // 3), gb(p0.total_bytes // 3), gb(4 * EXPERT)
-    budget = dict(device_memory_gb=device, reserve_gb=0, cpu_only=True)
+    budget = dict(device_memory_gb=device + 1, reserve_gb=1, cpu_only=True)   # 1 GiB: the process's own
     model, plan = load(folder, host_memory_gb=host, host_cache_gb=cache, **budget)
     want = mo.plan(folder, host_memory_gb=host - cache, **budget)
     assert _tiers(plan) == _tiers(want) and _host_bytes(plan) == _host_bytes(want)
@@ -200,7 +200,7 @@ def test_cpu_only_the_host_cache_comes_out_of_the_reserve_not_the_weights(folder
     weights (as the device cache does, device_cache.reserve_note), so the weights get no more RAM than without it
     and weights + cache stay within device_memory_gb."""
     p0 = mo.plan(folder, offload_gb=0)
-    device, reserve, cache = gb(p0.total_bytes // 2), gb(5 * EXPERT), gb(4 * EXPERT)
+    device, reserve, cache = gb(p0.total_bytes // 2) + 1, 1 + gb(5 * EXPERT), gb(4 * EXPERT)   # + the process's GiB
     budget = dict(device_memory_gb=device, reserve_gb=reserve, cpu_only=True)
     without = mo.plan(folder, **budget)
     model, plan = load(folder, host_cache_gb=cache, **budget)

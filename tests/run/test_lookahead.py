@@ -50,7 +50,7 @@ def _replaced(folder, place):
 def _plan(folder, kind: str):
     if kind == "budget":
         total = mo.plan(folder, offload_gb=0).total_bytes
-        return mo.plan(folder, device_memory_gb=total // 3 / GiB, reserve_gb=0, cpu_only=True)
+        return mo.plan(folder, device_memory_gb=total // 3 / GiB + 1, reserve_gb=1, cpu_only=True)
     if kind == "split":
         def place(t):
             if t.role != "routed_expert":

@@ -114,7 +114,7 @@ def test_split_tensors_and_the_device_cache_read_once_per_layer(folder, backend)
 @pytest.mark.parametrize("lookahead", [0, 1])
 def test_the_disk_tier_reads_once_per_layer_and_never_in_the_lookahead_hook(folder, lookahead):
     total = mo.plan(folder, offload_gb=0).total_bytes
-    plan = mo.plan(folder, device_memory_gb=total // 3 / GiB, reserve_gb=0, cpu_only=True)
+    plan = mo.plan(folder, device_memory_gb=total // 3 / GiB + 1, reserve_gb=1, cpu_only=True)
     embedding_on_disk = any(t.role == "embedding" and t.tier == Tier.DISK for t in plan.tensors)
     reads = decode_step_reads(folder, plan=plan, host_cache_gb=2 * 18432 / GiB, lookahead=lookahead)
     assert reads.total <= experts_layers(plan) + embedding_on_disk, dict(reads.where)
@@ -126,8 +126,8 @@ def test_hooks_rebind_their_staged_parameters_instead_of_making_new_ones(folder,
     # everything offloaded (dense weights staged per call by the prefetch ring, the embedding by rows), and a disk
     # tier below (dense disk weights read per call): no nn.Parameter is made during a decode step
     total = mo.plan(folder, offload_gb=0).total_bytes
-    plans = [mo.plan(folder, offload_gb=total / GiB), mo.plan(folder, device_memory_gb=total // 4 / GiB,
-                                                             reserve_gb=0, cpu_only=True)]
+    plans = [mo.plan(folder, offload_gb=total / GiB), mo.plan(folder, device_memory_gb=total // 4 / GiB + 1,
+                                                             reserve_gb=1, cpu_only=True)]
     made = []
     new = torch.nn.Parameter.__new__
 

@@ -64,7 +64,7 @@ def budgets(folder: Path) -> dict[str, dict]:
         "uva": dict(host, backend="uva"),
         "prefetch": dict(host, backend="prefetch"),
         "cache": dict(host, backend="uva", cache_gb=4 * EXPERT_BYTES / GiB),
-        "disk": dict(device_memory_gb=total // 3 / GiB, host_memory_gb=total // 3 / GiB, reserve_gb=0,
+        "disk": dict(device_memory_gb=total // 3 / GiB + 1, host_memory_gb=total // 3 / GiB, reserve_gb=1,
                      cpu_only=True),
     }
 

@@ -311,7 +311,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(full):
 # --- /metrics -------------------------------------------------------------------------------------------------
 
 def _disk_and_cache(folder) -> dict:
-    return dict(budgets(folder)["disk"], cache_gb=4 * EXPERT_BYTES / GiB, reserve_gb=5 * EXPERT_BYTES / GiB)
+    return dict(budgets(folder)["disk"], cache_gb=4 * EXPERT_BYTES / GiB, reserve_gb=1 + 5 * EXPERT_BYTES / GiB)
 
 
 def test_metrics_match_the_requests_and_the_runtime_s_accounting(folder):

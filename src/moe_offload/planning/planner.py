@@ -171,6 +171,14 @@ def plan(inv: Inventory, *, offload_gb: float | None = None, device_memory_gb: f
         if room < 0:
             raise BudgetError(f"device_memory_gb={budget.device_memory_gb} GiB is less than the "
                               f"{reserve} GiB reserve: lower reserve_gb or give the real device memory")
+        if budget.cpu_only and runtime_bytes > math.floor(reserve * GiB):
+            need = math.ceil(runtime_bytes / GiB * 100) / 100 + 0.25
+            raise BudgetError(f"device_memory_gb={budget.device_memory_gb:g} GiB cannot bound this process: on a "
+                              f"CPU-only machine it is all the RAM the process may hold, and the process itself "
+                              f"takes {_gib(runtime_bytes)} (measured: the interpreter, torch, transformers, the "
+                              f"kernels), more than the {reserve:g} GiB reserve that is left for it; give reserve_gb "
+                              f"of at least {need:g} (device_memory_gb as much more, "
+                              f"{budget.device_memory_gb - reserve + need:g}, to keep the weights' share)")
         target = max(0, total - room)
         if target == 0:
             notes.append(f"the model fits: {_gib(total)} of weights + {reserve:g} GiB reserve <= "
@@ -260,9 +268,5 @@ def _runtime_note(budget: Budget, runtime_bytes: int) -> str:
     left = math.floor(reserve * GiB) - runtime_bytes
     head = (f"CPU-only: the process itself takes {_gib(runtime_bytes)} (measured: the interpreter, torch, "
             f"transformers, the kernels) out of the {reserve:g} GiB reserve")
-    if left >= 0:
-        return (f"{head}: {_gib(left)} remain for activations, the KV cache and staging (at most 256 MiB of experts "
-                "staged per layer step), so the process stays within --device-memory as far as they fit there")
-    return (f"{head}, more than the reserve itself: the process will hold about {_gib(-left)} more than "
-            "--device-memory; give --reserve-gb of at least "
-            f"{math.ceil(runtime_bytes / GiB * 100) / 100 + 0.25:g} for a bound on the whole process")
+    return (f"{head}: {_gib(left)} remain for activations, the KV cache and staging (at most 256 MiB of experts "
+            "staged per layer step), so the process stays within --device-memory as far as they fit there")
