@@ -187,6 +187,8 @@ def _broken_config(tmp_path: Path, text: str) -> Path:
     ("config without model_type", [], "has no 'model_type'"),
     ("impossible budget", ["--offload-gb", "1"], "more than the whole model"),
     ("device too small", ["--device-memory", "1"], "less than the 2.0 GiB reserve"),
+    ("reserve smaller than the process", ["--device", "cpu", "--device-memory", "0.01", "--reserve-gb", "0.005"],
+     "--device-memory 0.01 GiB cannot bound this process"),
     ("unknown policy", ["--policy", "fastest", "--offload-gb", "0"], "invalid choice: 'fastest'"),
     ("selectors match nothing", ["--offload-params", "expert", "--offload-gb", "0"], "matches no tensor"),
     ("negative budget", ["--offload-gb", "-1"], "is not a size"),
