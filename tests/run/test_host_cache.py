@@ -222,6 +222,14 @@ def test_a_host_cache_larger_than_its_budget_is_refused(folder):
         load(folder, reserve_gb=gb(4 * EXPERT), host_cache_gb=gb(5 * EXPERT), **budget)
 
 
+def test_cpu_only_the_host_cache_must_fit_beside_the_process_in_the_reserve(folder):
+    """The reserve of a CPU-only plan also holds the process itself (measured, hundreds of MiB): a host cache that
+    fits in the reserve alone but not beside the process is refused, with both named."""
+    device = gb(mo.plan(folder, offload_gb=0).total_bytes // 3) + 1
+    with pytest.raises(BudgetError, match=r"does not fit in the 1 GiB reserve beside the process itself \(.*measured\)"):
+        load(folder, device_memory_gb=device, reserve_gb=1, cpu_only=True, host_cache_gb=0.9)
+
+
 def test_a_host_cache_smaller_than_one_disk_expert_is_refused_at_load(folder):
     with pytest.raises(BudgetError, match=r"--host-cache-gb.*cannot hold one disk expert|"
                                           r"cannot hold one disk expert.*--host-cache-gb"):

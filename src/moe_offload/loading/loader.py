@@ -126,7 +126,9 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
         cache_policy = host_policy if cache_gb is None else cache_policy
     else:
         cache_bytes, cache_policy = cache_options(cache_gb, cache_policy)
-    budget, host_note = carve(host_cache, budget, planned=plan is not None, beside=cache_bytes)
+    # CPU-only, the reserve holds the process itself (measured): the host cache must fit beside it, as the plan must
+    process = planned_runtime_bytes(bool(budget.get("cpu_only")), budget.get("device_memory_gb")) if plan is None else 0
+    budget, host_note = carve(host_cache, budget, planned=plan is not None, beside=cache_bytes, process=process)
     if disk_read not in MODES:
         raise MoeOffloadError(f"disk_read={disk_read!r}: use {' or '.join(MODES)}")
     if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
@@ -151,8 +153,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     model.eval()
     inv = from_checkpoint(folder, dtype=dtype, model=model, config=config)
     if plan is None:
-        plan = make_plan(inv, **budget, runtime_bytes=planned_runtime_bytes(bool(budget.get("cpu_only")),
-                                                                           budget.get("device_memory_gb")))
+        plan = make_plan(inv, **budget, runtime_bytes=process)
     elif any(v is not None for v in budget.values()):
         raise SelectorError("give either a plan or budget options, not both")
     else:

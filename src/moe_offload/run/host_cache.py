@@ -146,12 +146,13 @@ def host_cache_bytes(host_cache_gb) -> int:
     return int(host_cache_gb * (1 << 30))
 
 
-def carve(capacity: int, budget: dict, planned: bool, beside: int = 0) -> tuple[dict, str | None]:
+def carve(capacity: int, budget: dict, planned: bool, beside: int = 0, process: int = 0) -> tuple[dict, str | None]:
     """The budget options with the host cache taken out of the host budget, and the plan note that says so.
 
     With host_memory_gb it comes out of that (the plan's host tier is that much smaller, so more lies on disk). On
     a CPU-only machine planned with device_memory_gb alone (RAM is the device), it lives in reserve_gb, as the
-    device cache does (`beside`: that cache's bytes, which share the reserve): the weights' room is unchanged. A
+    device cache does (`beside`: that cache's bytes, which share the reserve; `process`: the process's own, measured,
+    which lives there too): the weights' room is unchanged. A
     plan given ready-made (`planned`) or a budget without either is left as it is, and the note says the cache is
     memory on top of it. BudgetError where the cache does not fit."""
     from ..planning.planner import DEFAULT_RESERVE_GB
@@ -169,10 +170,13 @@ def carve(capacity: int, budget: dict, planned: bool, beside: int = 0) -> tuple[
             f"{have - gib:.4g} GiB remain for the plan's host tier")
     if not planned and budget.get("cpu_only") and budget.get("device_memory_gb") is not None:
         reserve = budget.get("reserve_gb") if budget.get("reserve_gb") is not None else DEFAULT_RESERVE_GB
-        room = math.floor(reserve * (1 << 30)) - beside
+        room = math.floor(reserve * (1 << 30)) - beside - process
         if capacity > room:
+            also = [w for w, n in (("the device cache", beside), (f"the process itself ({format_bytes(process)}, "
+                                                                    "measured)", process)) if n]
             raise BudgetError(f"--host-cache-gb {gib:g} does not fit in the {reserve:g} GiB reserve"
-                              f"{' beside the device cache' if beside else ''} ({size} > {format_bytes(max(room, 0))}):"
+                              f"{' beside ' + ' and '.join(also) if also else ''} ({size} > "
+                              f"{format_bytes(max(room, 0))}):"
                               " on a CPU-only machine the host cache lives in the reserve kept beside the weights; "
                               "give a larger --reserve-gb or a smaller host cache")
         return budget, (f"the host cache of disk-tier experts ({size}) is taken out of the {reserve:g} GiB reserve "
