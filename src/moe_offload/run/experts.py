@@ -133,7 +133,7 @@ class ExpertsState:
             return rt.compute(module, staged, hidden_states, local, top_k_weights, view=view, decode=decode,
                               quant=quant)
         if streams(self, fused, cached):    # CPU-only disk-tier decode: each expert computed as its rows land
-            return streamed_step(self, module, hidden_states, top_k_index, top_k_weights, quant)
+            return streamed_step(self, module, hidden_states, top_k_index, top_k_weights)
         # With a look-ahead, a decode step gathers too: its predicted experts come from the rows copied ahead.
         ahead = rt.lookahead is not None and rt.decode_step
         if rt.reads.in_place and not self.split and not cached and (fused or not self.quant) and not self.disk \

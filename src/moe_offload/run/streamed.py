@@ -43,8 +43,8 @@ def streams(state, fused: bool, cached: bool) -> bool:
         and rt.device.type == "cpu" and rt.disk is not None
 
 
-def streamed_step(state, module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                  quant=None) -> torch.Tensor:
+def streamed_step(state, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts module's output [T, H], its selected experts computed as their rows land."""
     rt = state.runtime
     selected, _ = Selected.of(top_k_index)
