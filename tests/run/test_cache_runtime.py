@@ -305,6 +305,10 @@ def test_with_device_memory_the_cache_comes_out_of_the_reserve(capsys, models, p
     code, out, err = _cli(capsys, "generate", folder, "--prompt", "x", "--device", "cpu", "--device-memory",
                           budget["device_memory_gb"] + 1, "--reserve-gb", budget["reserve_gb"] + 1, "--cache-gb", 1.002)
     assert code == 2 and err.startswith("error: --cache-gb 1.002 does not fit") and "--reserve-gb" in err
+    # one that fits in the reserve alone but not beside the process itself is refused too, naming it
+    code, out, err = _cli(capsys, "generate", folder, "--prompt", "x", "--device", "cpu", "--device-memory",
+                          budget["device_memory_gb"] + 1, "--reserve-gb", budget["reserve_gb"] + 1, "--cache-gb", 0.9)
+    assert code == 2 and "does not fit" in err and "beside the process itself" in err, err
 
 
 # --- reports ------------------------------------------------------------------------------------------------------

@@ -159,7 +159,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     else:
         check_plan(plan, inv, source=source, model=str(folder))
     check_capacity(cache_bytes, plan)
-    note = reserve_note(cache_bytes, cache_policy, budget.get("device_memory_gb"), budget.get("reserve_gb"))
+    note = reserve_note(cache_bytes, cache_policy, budget.get("device_memory_gb"), budget.get("reserve_gb"), process)
     for n in (note, host_note):
         if n:
             plan = dataclasses.replace(plan, notes=(*plan.notes, n))

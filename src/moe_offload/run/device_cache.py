@@ -94,17 +94,20 @@ def _too_small(capacity: int, nbytes: int, layer: int, expert: int) -> NoReturn:
                       "for no cache")
 
 
-def reserve_note(capacity: int, policy: str, device_memory_gb: float | None, reserve_gb: float | None) -> str | None:
+def reserve_note(capacity: int, policy: str, device_memory_gb: float | None, reserve_gb: float | None,
+                 process: int = 0) -> str | None:
     """With device_memory_gb the cache is taken out of the reserve: the plan note, or BudgetError if it does not
-    fit there. None without device_memory_gb (the cache is then device memory on top of the resident weights)."""
+    fit there (`process`: on a CPU-only machine the process's own bytes, measured, which the reserve holds too).
+    None without device_memory_gb (the cache is then device memory on top of the resident weights)."""
     if device_memory_gb is None or not capacity:
         return None
     reserve = reserve_gb if reserve_gb is not None else DEFAULT_RESERVE_GB
-    room = math.floor(reserve * GiB)
+    room = math.floor(reserve * GiB) - process
     if capacity > room:
-        raise BudgetError(f"cache_gb={capacity / GiB:g} does not fit in the {reserve:g} GiB reserve "
-                          f"({format_bytes(capacity)} > {format_bytes(room)}): with device_memory_gb the cache is "
-                          "taken out of the reserve kept for activations and the KV cache; give a larger "
+        beside = f" beside the process itself ({format_bytes(process)}, measured)" if process else ""
+        raise BudgetError(f"cache_gb={capacity / GiB:g} does not fit in the {reserve:g} GiB reserve{beside} "
+                          f"({format_bytes(capacity)} > {format_bytes(max(room, 0))}): with device_memory_gb the "
+                          "cache is taken out of the reserve kept for activations and the KV cache; give a larger "
                           f"reserve_gb (at least {capacity / GiB:g} plus room for activations) or a smaller cache")
     return (f"the device-side expert cache ({format_bytes(capacity)}, {policy}) is taken out of the {reserve:g} GiB "
             f"reserve: {format_bytes(room - capacity)} of it remain for activations and the KV cache")
