@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from memory_cgroup import drop_caches, run_limited   # the memory limit, and a cold page cache
+
 ROOT = Path(__file__).resolve().parent.parent
 TRAINED = ROOT / "models" / "trained-qwen3moe"
 DOWN_STD = 1e-3     # the added units' down_proj: their output is ~1% of a trained expert's (measured: routing agreement)
@@ -212,11 +214,6 @@ def skew(picks: list[int]) -> float:
     """Share of the picks taken by the busiest 10% of experts, rounded up (4 of 32: uniform routing gives 12.5%)."""
     top = max(1, math.ceil(len(picks) / 10))
     return sum(sorted(picks, reverse=True)[:top]) / max(1, sum(picks))
-
-
-# --- the memory limit: memory_cgroup.py -------------------------------------------------------------------
-
-from memory_cgroup import CGROUP_ROOT, drop_caches, run_limited  # noqa: E402,F401  (imported from here by the benchmarks)
 
 
 # --- one arm of ours, in its own process ------------------------------------------------------------------------

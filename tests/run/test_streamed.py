@@ -127,12 +127,16 @@ def test_resident_experts_and_admitted_misses_are_read_where_they_lie(folder, re
     the experts whose rows are all in place in one kernel call per stack; the generation stays bitwise the resident
     fused one."""
     placed, stores, calls = [], [], []
-    real_place, real_store, real_gemv = Deferred.place, HostCache.store, streamed.expert_gemv
+    real_place, real_store, real_project = Deferred.place, HostCache.store, streamed.kernel_project
     monkeypatch.setattr(Deferred, "place", lambda self, p, name, stack, row: placed.append(stack)
                         or real_place(self, p, name, stack, row))
     monkeypatch.setattr(HostCache, "store", lambda self, pages, row: stores.append(pages) or real_store(self, pages, row))
-    monkeypatch.setattr(streamed, "expert_gemv", lambda x, stack, ids, **k: calls.append(len(ids))
-                        or real_gemv(x, stack, ids, **k))
+
+    def counted(*a):           # the streamed step's kernel calls: the pairs of each
+        project = real_project(*a)
+        return lambda name, ids, x: calls.append(len(ids)) or project(name, ids, x)
+
+    monkeypatch.setattr(streamed, "kernel_project", counted)
     path = folder("qwen3_moe")
     ids, (want_seq, want_logits) = resident[1]("qwen3_moe")
     with load(path, plan=resident_and_on_disk(path, whole_gate_up), experts="fused", host_cache_gb=0.001) as loaded:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import expert_gemv
+from .fused import kernel_project
 from .grouped import pair_outputs, sum_pairs
 from .read_executor import Deferred, execute_sides
 from .read_plan import plan_step
@@ -97,10 +97,8 @@ def _sources(module, state, ids: list[int], staged: dict, deferred: Deferred) ->
 
 
 def _project(module, sources: dict[str, list], isa):
-    """grouped.pair_outputs's `project` over `sources`: ids are positions of the selection; one kernel call per
-    stack their rows lie in (each pair is computed on its own, so the grouping changes no bit)."""
-    transposed = bool(getattr(module, "is_transposed", False))
-
+    """grouped.pair_outputs's `project` over `sources`: ids are positions of the selection; fused.kernel_project's
+    call once per stack their rows lie in (each pair is computed on its own, so the grouping changes no bit)."""
     def project(name: str, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
         for i, p in enumerate(ids.tolist()):
@@ -108,16 +106,20 @@ def _project(module, sources: dict[str, list], isa):
             g = groups.setdefault(id(stack), (stack, [], []))
             g[1].append(i)
             g[2].append(row)
+
+        def on(stack, rows, xs):
+            return kernel_project(module, {name: stack}, {}, isa)(name, torch.tensor(rows), xs)
+
         if len(groups) == 1:
-            stack, _, at = next(iter(groups.values()))
-            return expert_gemv(x, stack, torch.tensor(at), transposed=transposed, isa=isa).to(x.dtype)
+            stack, _, rows = next(iter(groups.values()))
+            return on(stack, rows, x)
         out = None
-        for stack, members, at in groups.values():
-            y = expert_gemv(x.index_select(0, torch.tensor(members)), stack, torch.tensor(at), transposed=transposed,
-                            isa=isa)
+        for stack, members, rows in groups.values():
+            at = torch.tensor(members)
+            y = on(stack, rows, x.index_select(0, at))
             if out is None:
                 out = torch.empty((x.size(0), y.size(-1)), dtype=y.dtype)
-            out.index_copy_(0, torch.tensor(members), y)
-        return out.to(x.dtype)
+            out.index_copy_(0, at, y)
+        return out
 
     return project
