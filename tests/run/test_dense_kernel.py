@@ -109,7 +109,7 @@ def _dense_way(way: str, plan0):
 DENSE_CASES = [({}, "uva"), ({}, "prefetch"), ({}, "disk"), ({"quant": "fp8"}, "uva"), ({"quant": "fp8"}, "prefetch")]
 
 
-@pytest.mark.exact   # (the disk tier reads unquantized checkpoints only)
+@pytest.mark.exact   # (the disk tier reads quantized routed experts, not quantized dense weights)
 @pytest.mark.parametrize("make, way", DENSE_CASES, ids=[f"{m.get('quant', 'fp32')}-{w}" for m, w in DENSE_CASES])
 def test_offloaded_dense_linears_are_bitwise_the_resident(folder, resident, make, way):
     path = folder("qwen3_moe", **make)

@@ -179,10 +179,11 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
                           disk=set(disk.tensors) if disk is not None else set())
         for name, (host_t, visible) in targets.items():
             set_tensor(model, name, visible, is_buffer=by_name[name].is_buffer if name in by_name else True)
-        for name in (disk.tensors if disk is not None else ()):
-            t = by_name[name]
-            shape = (len(t.host_ids), *t.shape[1:]) if name in splits else t.shape  # a split: its disk stack
-            set_tensor(model, name, disk_placeholder(shape, disk.tensors[name].dtype), is_buffer=t.is_buffer)
+        for name, src in (disk.tensors.items() if disk is not None else ()):
+            # a split: its disk stack; a quantized tensor: its values (the parameter) and scales (a buffer) as stored
+            shape = (len(splits[name].host_ids), *src.shape[1:]) if name in splits else src.shape
+            buffer = by_name[name].is_buffer if name in by_name else True
+            set_tensor(model, name, disk_placeholder(shape, src.dtype), is_buffer=buffer)
         for alias, target in inv.tied:
             set_tensor(model, alias, model.get_parameter(target))  # the same Parameter: still tied
         _move_buffers(model, dev, set(targets), set(disk.tensors) if disk is not None else set())

@@ -107,6 +107,8 @@ def stream_checkpoint(folder: Path, model: nn.Module, targets, splits, by_name, 
                             src = src.transpose(*slot.transpose)
                         _write(host, split, slot, src, key)
                     numel = math.prod(span.shape)
+                    if split is not None and host is None and slot.expert is None:   # a disk-tier split's fused
+                        numel = numel // split.num_experts * split.resident.shape[0]  # tensor: its resident rows
                     written[target] += numel
                     bar.advance(task, numel * like.element_size())
     missing = [n for n, (host, _) in targets.items()

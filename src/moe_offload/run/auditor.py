@@ -80,7 +80,7 @@ def _audit_scales(t, q, values, live, runtime, arena, device) -> list[Mismatch]:
     out = []
     if values.dtype != q.data_dtype:
         out.append(Mismatch(t.name, t.tier, f"{values.dtype} values, not the stored {q.data_dtype}", t.bytes))
-    actual = actual_tier(live, arena, device)
+    actual = _disk_tier(q.scale_name, live, runtime) or actual_tier(live, arena, device)
     if actual != t.tier:
         out.append(Mismatch(q.scale_name, t.tier, actual, scale_bytes))
     if t.host_ids and len(t.host_ids) < t.shape[0]:

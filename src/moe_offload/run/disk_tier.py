@@ -10,6 +10,9 @@ meta placeholder of the tensor's shape (no memory); the runtime reads:
   copied): one read per checkpoint tensor of each selected expert, adjacent ones coalesced by the reader;
   a fused on-disk tensor `[E, ...]` is read by runs of consecutive expert ids;
 - the input embedding: the rows of the distinct token ids of the call;
+- a quantized routed-expert tensor (FP8, MXFP4; quant_weights.py): as stored, two disk tensors read alike, its
+  values and its scales (an expert's rows of both), never dequantized into memory (quantized dense weights stay
+  off the disk tier);
 - every other (dense) tensor: whole, per decoder layer, one layer ahead on a background thread
   (disk_prefetch.DensePrefetcher: two slots of the largest layer's dense disk bytes).
 
@@ -22,6 +25,7 @@ CheckpointError at the read (disk.py).
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -39,6 +43,9 @@ from ..formats.layouts import Slot
 from .read_plan import Counter, LookupRead, WholeRead
 from .state import RunState
 from ..planning.placement import Tier
+from ..formats.quant import QuantFormat
+from ..formats.quant_codecs import SCALE_SUFFIX
+from .quant_weights import MXFP4_BLOCKS, MXFP4_SCALES, QuantLayout, Reader
 from ..storage.host import HostArena, set_tensor
 
 if TYPE_CHECKING:
@@ -73,11 +80,12 @@ class DiskTier:
         on_disk = {t.name: t for t in plan.tensors if t.tier == Tier.DISK}
         if not on_disk:
             return None
-        quantized = sorted(set(on_disk) & set(quant or {}))
-        if quantized:
-            raise MoeOffloadError(f"the plan puts {len(quantized)} quantized tensor(s) on disk (first: "
-                                  f"{quantized[0]}); the disk tier reads unquantized checkpoints only so far: "
-                                  "plan with --host-memory large enough for them")
+        quant = {n: q for n, q in (quant or {}).items() if n in on_disk}
+        linear = sorted(n for n, q in quant.items() if q.reader is not Reader.EXPERTS)
+        if linear:
+            raise MoeOffloadError(f"the plan puts {len(linear)} quantized Linear weight(s) on disk (first: "
+                                  f"{linear[0]}); the disk tier reads quantized routed experts, not quantized dense "
+                                  "weights: plan with --host-memory (or --device-memory) large enough for them")
         shared = sorted({n for pair in tied for n in pair} & set(on_disk))
         if shared:
             raise MoeOffloadError(f"the plan puts {shared[0]} on disk, but it is tied to another tensor (a tied "
@@ -97,13 +105,16 @@ class DiskTier:
             pieces: dict[str, list] = {name: [] for name in on_disk}
             for key, slot in slots.items():
                 if slot.target in pieces:
-                    pieces[slot.target].append((by_key[key], slot))
+                    pieces[slot.target].append((by_key.get(key), slot))   # None: a quantized owner key
             tensors = {}
             for name, t in on_disk.items():
                 if not pieces[name]:
                     raise CheckpointError(f"{folder}: no checkpoint tensor fills {name}, which the plan puts on "
                                           "disk; the disk tier reads tensors from the checkpoint: plan it on the "
                                           "host or device")
+                if name in quant:   # held as stored: its values and its scales, two tensors read alike
+                    tensors.update(_stored(quant[name], pieces[name], by_key, t.experts))
+                    continue
                 dtype = _dtype(t.dtype)
                 routed = t.role == "routed_expert" and t.experts and len(t.shape) >= 2 and t.shape[0] == t.experts
                 tensors[name] = DiskTensor(name, tuple(t.shape), dtype, tuple(pieces[name]),
@@ -248,6 +259,24 @@ class DiskTier:
             return out
 
         rt.hook_staged_embedding(mod, stage, LookupRead(Counter.DISK, src.row_bytes))
+
+
+def _stored(q: QuantLayout, pieces: list, by_key: dict, experts: int) -> dict[str, DiskTensor]:
+    """A quantized routed-expert tensor on disk as the two tensors it is held as (quant_weights.py): its values
+    (FP8 e4m3, or MXFP4's uint8 blocks) and its scales, each read by expert from the checkpoint tensors that hold
+    them, placed by the values' slots (an expert's scale rows go where its value rows go)."""
+    fp8 = q.format is QuantFormat.FP8
+    values, scales = [], []
+    for _, slot in pieces:
+        v = slot.key if fp8 else slot.key + MXFP4_BLOCKS
+        s = slot.key + SCALE_SUFFIX if fp8 else slot.key + MXFP4_SCALES
+        if v not in by_key or s not in by_key:
+            raise CheckpointError(f"{q.name} is held as {q.format.value} but the checkpoint lacks {v if v not in by_key else s}; "
+                                  "the checkpoint is incomplete")
+        values.append((by_key[v], dataclasses.replace(slot, key=v)))
+        scales.append((by_key[s], dataclasses.replace(slot, key=s, target=q.scale_name)))
+    return {q.name: DiskTensor(q.name, q.data_shape, q.data_dtype, tuple(values), experts),
+            q.scale_name: DiskTensor(q.scale_name, q.scale_shape, q.scale_dtype, tuple(scales), experts)}
 
 
 def placeholder(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

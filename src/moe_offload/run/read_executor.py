@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 
 from ..storage.host import row_runs
+from .quant_weights import byte_view
 from .read_plan import Source, StepPlan, TensorReads
 from .state import index_tensor
 
@@ -82,8 +83,8 @@ def _tensor(rt: "RunState", state: ExpertsLike, t: TensorReads, count: int, skip
             for r in resident:
                 deferred.place(r.position, t.name, stack, r.row)
         else:
-            out.index_copy_(0, index_tensor([r.position for r in resident], dev),
-                            stack.index_select(0, index_tensor([r.row for r in resident], dev)))
+            byte_view(out).index_copy_(0, index_tensor([r.position for r in resident], dev),    # float8 as bytes
+                                       byte_view(stack).index_select(0, index_tensor([r.row for r in resident], dev)))
     cached = t.of(Source.DEVICE_PAGE)
     if cached:
         _pages_in(rt.cache.arena, out, cached)
@@ -154,8 +155,9 @@ def _disk_rows(rt: "RunState", state: ExpertsLike, t: TensorReads, out: torch.Te
     ahead = t.of(Source.AHEAD)
     if ahead:
         t.ahead.wait()
-        land.index_copy_(0, index_tensor([r.position for r in ahead], land.device),
-                         t.ahead.rows.index_select(0, index_tensor([r.row for r in ahead], land.device)))
+        byte_view(land).index_copy_(0, index_tensor([r.position for r in ahead], land.device),   # float8 as bytes
+                                    byte_view(t.ahead.rows).index_select(0, index_tensor([r.row for r in ahead],
+                                                                                         land.device)))
     for position, pages in admit:           # admitted by the host cache's policy: into the pages it claimed
         rt.host_cache.store(list(pages), land[position])
     landed[t.name] = land

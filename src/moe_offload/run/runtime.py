@@ -155,8 +155,8 @@ class Runtime(RunState):
                 experts_modules.append(mod)
                 # float8 values are gathered as their bytes (byte_view): not every device has float8 index kernels
                 offl = {n: byte_view(getattr(mod, n)) for n in (locals_ or [])}
-                disk = {n: self.disk.tensors[f"{mod_name}.{n}"] for n in mod._parameters
-                        if self.disk is not None and f"{mod_name}.{n}" in self.disk.tensors}
+                disk = {n: self.disk.tensors[f"{mod_name}.{n}"] for n in [*mod._parameters, *mod._buffers]
+                        if self.disk is not None and f"{mod_name}.{n}" in self.disk.tensors}   # buffers: scales
                 served.update(f"{mod_name}.{n}" for n in disk if f"{mod_name}.{n}" in self.splits)
                 split = {n: byte_split(self.splits[f"{mod_name}.{n}"]) for n in offl
                          if f"{mod_name}.{n}" in self.splits}

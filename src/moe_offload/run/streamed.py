@@ -36,11 +36,11 @@ from .state import Selected, index_tensor
 
 
 def streams(state, fused: bool, cached: bool) -> bool:
-    """Whether this layer step is streamed: a decode step of the CPU kernels over disk-tier tensors (of a float
-    format), on a cpu device, not through a device cache."""
+    """Whether this layer step is streamed: a decode step of the CPU kernels over disk-tier tensors, on a cpu
+    device, not through a device cache."""
     rt = state.runtime
-    return bool(state.disk) and fused and not cached and not state.quant and rt.decode_step \
-        and rt.device.type == "cpu" and rt.disk is not None
+    return bool(state.disk) and fused and not cached and rt.decode_step and rt.device.type == "cpu" \
+        and rt.disk is not None
 
 
 def streamed_step(state, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
@@ -61,7 +61,7 @@ def streamed_step(state, module, hidden: torch.Tensor, top_k_index: torch.Tensor
         k, dev = selected.k, hidden.device
         weights = top_k_weights.reshape(-1)
         out = torch.empty((len(slots), hidden.size(-1)), dtype=hidden.dtype, device=dev)
-        project = _project(module, sources, rt.compute.isa)
+        project = _project(module, sources, state.quant, rt.compute.isa)
 
         def rows(name, ids):     # a per-expert tensor's rows (a bias) of these positions
             return torch.stack([stack[row] for stack, row in (sources[name][p] for p in ids.tolist())])
@@ -90,33 +90,48 @@ def _sources(module, state, ids: list[int], staged: dict, deferred: Deferred) ->
     """Per-expert tensor -> per position of the selection, (stack, row): where the kernels read that expert."""
     sources = {name: [deferred.placed.get((i, name), (stack, i)) for i in range(len(ids))]
                for name, stack in staged.items()}
-    for name, p in module.named_parameters(recurse=False):     # resident whole: the module's own parameter
+    scales = {q.scale_local for q in state.quant.values()}
+    own = [*module.named_parameters(recurse=False), *((n, b) for n, b in module.named_buffers(recurse=False)
+                                                      if n in scales)]
+    for name, p in own:     # resident whole: the module's own parameter (or a quantized one's scales)
         if name not in sources and p.dim() >= 1 and p.shape[0] == state.num_experts:
             sources[name] = [(p, e) for e in ids]
     return sources
 
 
-def _project(module, sources: dict[str, list], isa):
+def _project(module, sources: dict[str, list], quant: dict, isa):
     """grouped.pair_outputs's `project` over `sources`: ids are positions of the selection; fused.kernel_project's
-    call once per stack their rows lie in (each pair is computed on its own, so the grouping changes no bit)."""
+    call once per stack their rows lie in (each pair is computed on its own, so the grouping changes no bit). A
+    quantized projection reads its values and its scales: one call per pair of stacks where each expert's rows have
+    the same index in both and the scales are one contiguous stack (the kernel reads scales so), else one per expert
+    on its own one-row stacks."""
     def project(name: str, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+        q = quant.get(name)
+        names = (name,) if q is None else (name, q.scale_local)
+        groups: dict[tuple, tuple[dict, list[int], list[int]]] = {}
         for i, p in enumerate(ids.tolist()):
-            stack, row = sources[name][p]
-            g = groups.setdefault(id(stack), (stack, [], []))
+            where = [sources[n][p] for n in names]
+            rows = {r for _, r in where}
+            if len(rows) == 1 and all(s.is_contiguous() for s, _ in where[1:]):
+                key, stacks, row = tuple(id(s) for s, _ in where), {n: s for n, (s, _) in zip(names, where)}, \
+                    rows.pop()
+            else:                                     # this expert alone, its rows as one-row stacks
+                key, stacks, row = ("alone", i), {n: s[r:r + 1] for n, (s, r) in zip(names, where)}, 0
+            g = groups.setdefault(key, (stacks, [], []))
             g[1].append(i)
             g[2].append(row)
 
-        def on(stack, rows, xs):
-            return kernel_project(module, {name: stack}, {}, isa)(name, torch.tensor(rows), xs)
+        def on(stacks, rows, xs):
+            return kernel_project(module, stacks, {name: q} if q is not None else {}, isa)(name, torch.tensor(rows),
+                                                                                           xs)
 
         if len(groups) == 1:
-            stack, _, rows = next(iter(groups.values()))
-            return on(stack, rows, x)
+            stacks, _, rows = next(iter(groups.values()))
+            return on(stacks, rows, x)
         out = None
-        for stack, members, rows in groups.values():
+        for stacks, members, rows in groups.values():
             at = torch.tensor(members)
-            y = on(stack, rows, x.index_select(0, at))
+            y = on(stacks, rows, x.index_select(0, at))
             if out is None:
                 out = torch.empty((x.size(0), y.size(-1)), dtype=y.dtype)
             out.index_copy_(0, at, y)
