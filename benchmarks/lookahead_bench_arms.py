@@ -328,11 +328,11 @@ def run_ours(spec: dict, limit_bytes: int | None, logdir: Path) -> dict:
 # --- llama.cpp, memory-mapped, under the same limit --------------------------------------------------------------
 
 def run_llama(model: Path, prompt: str, steps: int, limit_bytes: int, logdir: Path, threads: int,
-              sampling: tuple[str, ...] = ("--temp", "0"), tag: str = "") -> dict:
+              sampling: tuple[str, ...] = ("--temp", "0"), tag: str = "", extra: tuple[str, ...] = ()) -> dict:
     """llama-completion on the model's bf16 GGUF (convert_hf_to_gguf.py via tools/engines.py), mmap'd (its default),
     cold page cache, in the cgroup; run once for 1 token and once for steps + 1, so that the difference of their
     read bytes over steps is what decoding reads per token (the load and prefill cancel). `sampling`: its sampler
-    options (greedy by default)."""
+    options (greedy by default); `extra`: more options (--no-repack)."""
     from step_bench_peers import EVAL, engines, ensure_gguf
 
     where = engines()["llama_cpp"]
@@ -343,7 +343,7 @@ def run_llama(model: Path, prompt: str, steps: int, limit_bytes: int, logdir: Pa
     runs = {}
     for n in (1, steps + 1):
         cmd = [where["completion"], "-m", str(gguf), "-p", prompt, "-n", str(n), "--ignore-eos", "-no-cnv",
-               *sampling, "--seed", "0", "-t", str(threads), "-tb", str(threads), "-c", "512"]
+               *sampling, *extra, "--seed", "0", "-t", str(threads), "-tb", str(threads), "-c", "512"]
         name = f"llama{tag}-{n}"
         res = run_limited(cmd, limit_bytes, name, logdir / f"{name}.out")
         log = res["stdout"] + (logdir / f"{name}.err").read_text()

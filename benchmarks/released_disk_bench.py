@@ -1,7 +1,7 @@
 """Bigger than memory at released dimensions (issue 28's Measure): the disk tier against llama.cpp's mmap.
 
-Qwen3-30B-A3B's layer x 8 (make-tiny --like, 10.4 GiB bf16, random weights, per-expert keys as released) in v1
-memory cgroups of 55% and 35% of the checkpoint, each arm a fresh process on a cold page cache, at one and two
+Qwen3-30B-A3B's layer x 8 (make-tiny --like, 10.4 GiB bf16, random weights, per-expert keys as released) or
+gpt-oss-20b's x 12 (`--model gpt-oss-20b`: 7.5 GiB, its experts MXFP4 as released, read as stored) in v1 memory cgroups of 55% and 35% of the checkpoint, each arm a fresh process on a cold page cache, at one and two
 threads: ours (a) the disk tier, (b) + host cache, (c) + host cache + look-ahead 1, (d) the disk tier's reads
 through mmap, against (e) llama.cpp memory-mapped (its default; `--load-mode dio` where the build has it). Every
 arm's --device-memory is the cgroup's limit: the whole process (interpreter, torch, weights, buffers, caches and the
@@ -10,9 +10,11 @@ the same memory in all. Beside every figure: the disk's measured random-read ban
 expert's bytes, one and four in flight) and the floor, the bytes the arm read per token over the better of the two.
 The model fully resident (no limit) gives the compute floor. Needs root (cgroups, drop_caches) and `make engines`.
 
-Writes docs/released_disk_bench.{json,md} and docs/released-disk-bench.png (--quick: bench-out/ only).
+Writes docs/released_disk_bench.{json,md} and docs/released-disk-bench.png (gpt-oss-20b: *_gpt_oss / -gpt-oss;
+--quick: bench-out/ only).
 
-    .venv/bin/python benchmarks/released_disk_bench.py [--quick] [--no-llama] [--report-only JSON]
+    .venv/bin/python benchmarks/released_disk_bench.py [--model qwen3-30b-a3b|gpt-oss-20b] [--quick] [--no-llama]
+        [--report-only JSON]
 """
 
 from __future__ import annotations
@@ -29,14 +31,18 @@ from pathlib import Path
 import moe_offload as mo
 from lookahead_bench_arms import GiB, ROOT, cold_bandwidth, run_ours, run_llama
 from moe_offload.loading.loader import load_tokenizer
-from released_bench import MODELS, ensure_model
+from released_bench import ensure_model
 from step_bench import write_reports
 from step_bench_peers import engines, machine as peers_machine
 from rich.console import Console
 from rich.table import Table
 
 console = Console(highlight=False, width=170)
-MODEL = "qwen3-30b-a3b bf16"
+# --model: (folder under models/released, make-tiny arguments, what it is, report name suffix)
+MODELS = {"qwen3-30b-a3b": ("qwen3-30b-a3b-8L", ["--like", "qwen3-30b-a3b", "--layers", "8"],
+                            "Qwen3-30B-A3B's layer x 8, bf16", ""),
+          "gpt-oss-20b": ("gpt-oss-20b-12L", ["--like", "gpt-oss-20b", "--layers", "12"],
+                          "gpt-oss-20b's layer x 12, experts MXFP4 as released, the rest bf16", "gpt_oss")}
 PROMPT = ("The history of the river valley begins with the first farmers, who cleared the forest along its banks "
           "and planted wheat and barley in the rich soil that the floods left behind each spring.")
 FULL = dict(caps=(0.55, 0.35), threads=(1, 2), steps=32, reserve_gb=1.25, cache_share=0.5,
@@ -50,6 +56,10 @@ WORKLOADS = {"greedy": (dict(greedy=True), ("--temp", "0")),
              "sampled": (dict(sample={"temperature": 1.0, "seed": 0}),
                          ("--temp", "1", "--top-k", "0", "--top-p", "1", "--min-p", "0"))}
 GOAL_LLAMA, GOAL_FLOOR = 1.2, 1.3
+# llama.cpp repacks weights for its CPU kernels where the CPU has a layout for them (AMX, MXFP4, ...): a copy in
+# anonymous memory, the whole model's, which no cap below the model holds (OOM-killed at load). --no-repack keeps
+# the weights where its mmap put them: the page cache, as llama.cpp's memory-mapped mode means.
+LLAMA_OPTIONS = ("--no-repack",)
 # The routing statistics our plans are made with (the frequency policy): recorded once, resident, on another text
 # with another seed than the measured runs, as a user records a trace of their own prompts before planning.
 CALIBRATION = ("Rain fell on the harbour town all night; by morning the fishing boats rocked at their moorings while "
@@ -161,7 +171,8 @@ def report(res: dict) -> str:
     derive(res)
     bw1, bw4 = res["random_bytes_per_s"], res["random_4_in_flight_bytes_per_s"]
     md = [f"# Bigger than memory at released dimensions: {res['model']} against llama.cpp's mmap", "",
-          f"{res['model']}: {res['total_bytes'] / GiB:.2f} GiB bf16 ({MODEL}'s layer x 8, random weights). Machine: "
+          f"{res['model']}: {res['total_bytes'] / GiB:.2f} GiB ({res.get('what', MODELS['qwen3-30b-a3b'][2])}, random "
+          f"weights). Machine: "
           f"{res['machine']}. llama.cpp {res['llama_version']}. Cold page cache before every run; each arm a fresh "
           f"process in a v1 memory cgroup of the cap (RSS and page cache charged), --device-memory = the cap, "
           f"--reserve-gb {res['config']['reserve_gb']} (+ the host cache in (b), (c)); {res['config']['steps']} "
@@ -205,7 +216,8 @@ def report(res: dict) -> str:
               f"model resident, on another text ({cal['tokens']} sampled decode tokens, seed {cal['seed']}; distinct "
               f"experts per layer: {', '.join(map(str, cal['distinct_experts_per_layer'].values()))}), (b0) by the default "
               "policy without them" if cal else "") + "; llama.cpp: "
-           "`llama-completion -n N --ignore-eos -t T -tb T -c 512`, its eval time over its eval runs. The disk MB per "
+           "`llama-completion -n N --ignore-eos -t T -tb T -c 512 --no-repack` (its repacked copy of the weights, anonymous "
+           "memory, does not fit a cap below the model), its eval time over its eval runs. The disk MB per "
            "token of ours is what the process read from the block device (/proc/self/io) over the decode steps.", ""]
     md += [f"- {note}" for note in res.get("notes", [])]
     return "\n".join(md) + "\n"
@@ -242,7 +254,10 @@ def plot(res: dict, path: Path) -> None:
 
 def write(res: dict, out: Path, docs: Path | None) -> int:
     res.setdefault("wall_s", res["elapsed_s"])
-    write_reports("released_disk_bench", "released-disk-bench.png", res, report(res), plot, out, docs)
+    suffix = res.get("suffix", "")
+    write_reports("released_disk_bench" + (f"_{suffix}" if suffix else ""),
+                  "released-disk-bench" + (f"-{suffix.replace('_', '-')}" if suffix else "") + ".png", res,
+                  report(res), plot, out, docs)
     return 0
 
 
@@ -257,6 +272,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one cap, one thread, 8 tokens: the pipeline end to end")
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b")
     ap.add_argument("--work", type=Path, default=ROOT / "models" / "released")
     ap.add_argument("--report-only", type=Path, help="rewrite the md and the plot from a JSON this script wrote")
     args = ap.parse_args(argv)
@@ -264,15 +280,17 @@ def main(argv=None) -> int:
         return write(json.loads(args.report_only.read_text()), args.report_only.parent, None)
     cfg = dict(QUICK if args.quick else FULL)
     began = time.perf_counter()
-    folder, make_args, *_ = MODELS[MODEL]
+    folder, make_args, what, suffix = MODELS[args.model]
     model = ensure_model(args.work / folder, make_args)
     full = mo.plan(model, offload_gb=0)
     cfg["total_gib"] = full.total_bytes / GiB
-    cfg["num_experts"] = json.loads((model / "config.json").read_text())["num_experts"]
+    config = json.loads((model / "config.json").read_text())
+    cfg["num_experts"] = config.get("num_experts") or config["num_local_experts"]
     first = [t for t in full.tensors if t.role == "routed_expert"]
-    block = sum(t.bytes // t.shape[0] for t in first if t.layer == first[0].layer)   # one expert, every tensor
+    block = sum(t.bytes // t.shape[0] for t in first if t.layer == first[0].layer)   # one expert, every tensor,
+    block = -(-block // 4096) * 4096                                                 # in whole O_DIRECT blocks
     ids = load_tokenizer(model)(PROMPT)["input_ids"]      # the whole prompt, as llama.cpp is given it
-    logdir = ROOT / "bench-out" / "released-disk-bench-logs"
+    logdir = ROOT / "bench-out" / f"released-disk-bench-logs{'-' + suffix if suffix else ''}"
     logdir.mkdir(parents=True, exist_ok=True)
     peers = engines()
     where = peers["llama_cpp"]
@@ -296,11 +314,11 @@ def main(argv=None) -> int:
             console.print(f"{w} {cap:.0%} {t}t {spec['label']}: " + (row.get("error") or f"{row['tok_s_mean']:.2f} tok/s"))
         if args.no_llama:
             continue
-        row = run_llama(model, PROMPT, cfg["steps"], limit, logdir, t, WORKLOADS[w][1], f"-{w}")
+        row = run_llama(model, PROMPT, cfg["steps"], limit, logdir, t, WORKLOADS[w][1], f"-{w}", LLAMA_OPTIONS)
         rows.append({**row, **where_})
         console.print(f"{w} {cap:.0%} {t}t llama.cpp: " + (row.get("error") or f"{row['tok_s_mean']:.2f} tok/s"))
     bw.append(cold_bandwidth(model, block, GiB))
-    res = {"config": cfg, "model": model.name, "prompt_tokens": len(ids), "total_bytes": full.total_bytes, "read_block": block, "disk": bw,
+    res = {"config": cfg, "model": model.name, "what": what, "suffix": suffix, "prompt_tokens": len(ids), "total_bytes": full.total_bytes, "read_block": block, "disk": bw,
            "random_bytes_per_s": statistics.mean(b["random_bytes_per_s"] for b in bw),
            "random_4_in_flight_bytes_per_s": statistics.mean(b["random_4_in_flight_bytes_per_s"] for b in bw),
            "machine": machine(peers), "llama_version": where.get("version", "?"),

@@ -58,3 +58,31 @@ def test_a_chunked_prefill_reads_and_computes_what_an_unchunked_one_does(folder,
     assert torch.allclose(got[1], whole[1], atol=1e-5, rtol=1e-5)
     assert got[2] == whole[2] and got[3] == whole[3]    # the same bytes, call by call
     assert got[4] <= 2 * per_expert < whole[4]          # no buffer beyond the bound: the unchunked prefill's was
+
+
+def test_a_prefill_dequantizes_resident_quantized_experts_a_chunk_at_a_time(tmp_path, monkeypatch):
+    """Quantized experts held resident: a prefill's eager loop dequantizes its selected experts into the compute dtype,
+    four times their stored bytes at gpt-oss's dimensions; the bound counts those buffers, so the largest one stays
+    within it, and the tokens are those of the unbounded prefill."""
+    path = make_tiny(tmp_path / "m", family="gpt_oss", quant="mxfp4", layers=2, experts=8, hidden=64)
+    ids = prompt_ids(path, 12)
+
+    def run(bound):
+        if bound is not None:
+            monkeypatch.setattr(chunked, "STAGING_BOUND", bound)
+        calls = []
+        real = chunked.chunked_step
+        monkeypatch.setattr("moe_offload.run.experts.chunked_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+        with load(path, offload_gb=0, experts="eager") as loaded:
+            with torch.no_grad():
+                seq = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
+                                            do_sample=False, eos_token_id=[], pad_token_id=0)
+            widest = max(b.numel() * b.element_size() for b in loaded.runtime.dequantizer.buffers())
+            state = next(m._moe_offload_state for m in loaded.model.modules() if hasattr(m, "_moe_offload_state"))
+            return seq, widest, len(calls), chunked.stage_bytes(state)
+
+    whole, widest, chunks, per_expert = run(None)
+    assert chunks == 0
+    got, bounded, chunks, _ = run(2 * per_expert)
+    assert chunks > 0 and torch.equal(got, whole)
+    assert bounded <= 2 * per_expert < widest

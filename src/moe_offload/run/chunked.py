@@ -3,7 +3,8 @@
 The gathering path stages a step's U selected experts into reused buffers [U, ...]; a prefill of a few prompts
 selects nearly every expert of a layer, and at released dimensions that is a whole layer's experts at once (Qwen3-
 30B-A3B: 128 x 9.4 MB, 1.2 GB), the largest buffer of a run and more than a memory budget's reserve is meant for.
-Above `STAGING_BOUND` bytes (per layer step, over the module's offloaded tensors) such a step goes here instead:
+Above `STAGING_BOUND` bytes (per layer step, over the module's offloaded tensors and the buffers quantized experts
+are dequantized into) such a step goes here instead:
 
     the selected experts, ascending, in chunks of as many as fit the bound (at least one);
     per chunk, the read plan of those experts (read_plan.plan_step: charged once per chunk, which sums to the
@@ -19,6 +20,8 @@ expert order, so a chunked step agrees with the unchunked one within rounding (g
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .grouped import loop_project, pair_outputs, sum_pairs
@@ -30,9 +33,12 @@ STAGING_BOUND = 256 << 20   # bytes of selected experts' rows a layer step stage
 
 
 def stage_bytes(state) -> int:
-    """One expert's staged bytes over the module's offloaded tensors (host tier rows and disk tier rows)."""
+    """One expert's staged bytes: its rows of the module's offloaded tensors (host tier and disk tier), and where
+    the module holds experts quantized, its dequantized rows in the compute dtype (resident ones too: a prefill
+    dequantizes every selected expert, and at released dimensions that outgrows its stored bytes fourfold)."""
     host = sum(t[0].numel() * t.element_size() for t in state.offloaded.values())
-    return host + sum(src.row_bytes for src in state.disk.values())
+    wide = sum(math.prod(q.shape[1:]) * q.compute_dtype.itemsize for q in state.quant.values())
+    return host + sum(src.row_bytes for src in state.disk.values()) + wide
 
 
 def too_big(state, selected: Selected, bound: int | None = None) -> bool:
