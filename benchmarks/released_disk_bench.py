@@ -10,7 +10,7 @@ the same memory in all. Beside every figure: the disk's measured random-read ban
 expert's bytes, one and four in flight) and the floor, the bytes the arm read per token over the better of the two.
 The model fully resident (no limit) gives the compute floor. Needs root (cgroups, drop_caches) and `make engines`.
 
-Writes docs/released_disk_bench.{json,md} and docs/released-disk-bench.png (gpt-oss-20b: *_gpt_oss / -gpt-oss;
+Writes docs/released_disk_bench.{json,md} and docs/released-disk-bench.png (gpt-oss-20b: released_disk_gpt_oss_bench / -gpt-oss;
 --quick: bench-out/ only).
 
     .venv/bin/python benchmarks/released_disk_bench.py [--model qwen3-30b-a3b|gpt-oss-20b] [--quick] [--no-llama]
@@ -256,7 +256,7 @@ def plot(res: dict, path: Path) -> None:
 def write(res: dict, out: Path, docs: Path | None) -> int:
     res.setdefault("wall_s", res["elapsed_s"])
     suffix = res.get("suffix", "")
-    write_reports("released_disk_bench" + (f"_{suffix}" if suffix else ""),
+    write_reports(f"released_disk_{suffix}_bench" if suffix else "released_disk_bench",
                   "released-disk-bench" + (f"-{suffix.replace('_', '-')}" if suffix else "") + ".png", res,
                   report(res), plot, out, docs)
     return 0

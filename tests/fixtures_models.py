@@ -185,3 +185,17 @@ def subset_plan(folder, ids_of):
             t = dataclasses.replace(t, tier="host", host_experts=len(ids), host_expert_ids=tuple(ids))
         tensors.append(t)
     return Plan.from_json(dataclasses.replace(plan, tensors=tuple(tensors)).to_json())
+
+
+def replay_own_trace(model, plan, folder, path, tokens: int):
+    """Record `tokens` decode tokens of `model` (a prompt of `folder`'s tokenizer) into a trace at `path`, and replay
+    that trace under `plan`: what the accounting says the generation read (replay.ReplayResult)."""
+    from moe_offload.formats.traces import TraceWriter, read_trace
+    from moe_offload.loading.loader import load_tokenizer
+    from moe_offload.measure.profile import record, trace_header
+    from moe_offload.routing.replay import replay
+
+    with TraceWriter(path, trace_header(plan, "test")) as writer:
+        record(model, load_tokenizer(folder), ["The storm reached the coast"], writer, max_new_tokens=tokens,
+               ignore_eos=True)
+    return replay(plan, read_trace(path))

@@ -22,7 +22,7 @@ import torch
 
 import moe_offload as mo
 from fixtures_experts import SIZES, generate_new
-from fixtures_models import load, prompt_ids
+from fixtures_models import load, prompt_ids, replay_own_trace
 from moe_offload.errors import MoeOffloadError
 from moe_offload.planning.placement import Tier
 from moe_offload.run import experts as experts_py
@@ -121,20 +121,11 @@ def test_quantized_experts_split_between_resident_and_disk(folders, resident, fa
 
 @pytest.mark.parametrize("family", QUANT)
 def test_disk_bytes_are_the_stored_bytes_and_equal_replay(folders, family, tmp_path):
-    from moe_offload.formats.traces import TraceWriter, read_trace
-    from moe_offload.loading.loader import load_tokenizer
-    from moe_offload.measure.profile import record, trace_header
-    from moe_offload.routing.replay import replay
-
     path = folders[family]
     model, plan = load(path, plan=on_disk(path), experts="fused")
     rt = runtime_of(model)
     rt.disk_counter.reset()
-    trace = tmp_path / "trace.jsonl"
-    with TraceWriter(trace, trace_header(plan, "test")) as writer:
-        record(model, load_tokenizer(path), ["The storm reached the coast"], writer, max_new_tokens=4,
-               ignore_eos=True)
-    result = replay(plan, read_trace(trace))
+    result = replay_own_trace(model, plan, path, tmp_path / "trace.jsonl", tokens=4)
     assert result.disk_read_bytes_per_token == pytest.approx(rt.disk_counter.decode_bytes_per_token(), rel=1e-12)
     # one decode step: the readers deliver exactly the selected experts' values and scales
     ids = prompt_ids(path)

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import moe_offload as mo
-from fixtures_models import BACKENDS, SIZES, load, prompt_ids, reference_model, run
+from fixtures_models import BACKENDS, SIZES, load, prompt_ids, reference_model, replay_own_trace, run
 from moe_offload.errors import CheckpointError
 from moe_offload.planning.placement import Tier
 from moe_offload.tiny.make import make_tiny
@@ -180,20 +180,11 @@ def _merged(ranges):
 
 def test_disk_bytes_equal_replay(folders, tmp_path):
     """The runtime's disk counter and replay of the same generation's own trace agree, token for token."""
-    from moe_offload.loading.loader import load_tokenizer
-    from moe_offload.measure.profile import record, trace_header
-    from moe_offload.routing.replay import replay
-    from moe_offload.formats.traces import TraceWriter, read_trace
-
     folder = folders["deepseek_v3"]
     model, plan = load(folder, plan=disk_plan(folder, _sparse))
     rt = model.moe_offload_runtime
     rt.disk_counter.reset()
-    path = tmp_path / "trace.jsonl"
-    with TraceWriter(path, trace_header(plan, "test")) as writer:
-        record(model, load_tokenizer(folder), ["The storm reached the coast"], writer, max_new_tokens=5,
-               ignore_eos=True)
-    result = replay(plan, read_trace(path))
+    result = replay_own_trace(model, plan, folder, tmp_path / "trace.jsonl", tokens=5)
     assert result.tokens == 5
     assert result.disk_read_bytes_per_token == pytest.approx(rt.disk_counter.decode_bytes_per_token(), rel=1e-12)
     assert result.host_link_bytes_per_token == 0

@@ -98,7 +98,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     from ..run.grouped import check_kernels
     from ..run.host_cache import HostCache, carve, host_cache_bytes
     from ..run.host_compute import compute_options, host_compute_for
-    from ..storage.process_memory import planned_runtime_bytes
+    from ..storage.process_memory import planned_runtime_bytes, return_freed_buffers
     from ..run.lookahead import SOURCES, Lookahead
     from ..storage.mapped import MODES
     from ..errors import AuditError
@@ -110,6 +110,8 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     if not folder.is_dir():
         raise ConfigError(f"{folder} is not a model folder: give a local folder with config.json and safetensors")
     dev = resolve_device(device)
+    if dev.type == "cpu":   # RAM is the device: freed buffers go back to the system (process_memory.py)
+        return_freed_buffers()
     mode, why_not_fused = resolve_experts(experts, dev)
     if mode is ExpertsMode.GROUPED:
         check_kernels(dev)

@@ -35,7 +35,7 @@ import torch.nn as nn
 from ..errors import CheckpointError
 from ..formats.quant import STORED_DTYPES, QuantFormat, QuantSpec, QuantTensor
 from ..formats.quant_codecs import SCALE_SUFFIX, check_fp8, check_mxfp4, dequantize_fp8, fp4_lut, fp8_scale_shape
-from ..storage.host import ExpertSplit, StagedParameters, set_tensor
+from ..storage.host import ExpertSplit, StagedParameters, byte_view, set_tensor
 
 MXFP4_SCALES, MXFP4_BLOCKS = "_scales", "_blocks"
 
@@ -203,12 +203,6 @@ def by_module(layouts: Mapping[str, QuantLayout]) -> dict[str, dict[str, QuantLa
     for name, q in layouts.items():
         out.setdefault(name.rpartition(".")[0], {})[q.local] = q
     return out
-
-
-def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """A one-byte float tensor (float8) as its bytes: gathers and scatters then work on every device (CPU torch
-    has no index_copy_ for float8)."""
-    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
 
 
 def byte_split(split: ExpertSplit) -> ExpertSplit:

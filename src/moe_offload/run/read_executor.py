@@ -36,8 +36,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
-from ..storage.host import row_runs
-from .quant_weights import byte_view
+from ..storage.host import byte_view, row_runs
 from .read_plan import Source, StepPlan, TensorReads
 from .state import index_tensor
 

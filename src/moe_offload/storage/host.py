@@ -333,3 +333,9 @@ def _device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
         raise DeviceError("the CUDA view of pinned host memory is a copy, not an alias, on this torch: uva would "
                           "de-offload every weight; use --backend prefetch")
     return view
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A one-byte float tensor (float8) as its bytes: gathers and scatters then work on every device (CPU torch
+    has no index_copy_ for float8)."""
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
