@@ -88,8 +88,8 @@ def return_freed_buffers() -> bool:
     prefill's staging and dequantization buffers, once freed, are refilled from the heap and their pages stay in
     the process (measured on gpt-oss-20b's layer x 12 at a 2.62 GiB cap: 0.24 GiB more peak resident set, enough for
     the cgroup to kill it).
-    A load on a cpu device (RAM is its memory bound) calls this: a process-wide allocator setting, made once,
-    that changes no result. False where there is no glibc."""
+    Every load on a cpu device (RAM is its memory bound) calls this: a process-wide allocator setting (setting it
+    again changes nothing) that changes no result. False where there is no glibc."""
     import ctypes
     import ctypes.util
 
