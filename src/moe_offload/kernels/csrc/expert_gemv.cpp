@@ -54,6 +54,15 @@ constexpr int64_t ROW_TILE = 16;   // output rows per work item (rows layout)
 #endif
 constexpr int64_t COL_TILE = COLT;   // output columns per work item (transposed): rows read 8 KiB at a time
 constexpr int64_t LANES = 16;
+#ifndef PF_BYTES
+#define PF_BYTES 1024
+#endif
+// Rows layout: the line PREFETCH_AHEAD bytes past the read position is asked into L1 once per 64 bytes read. A
+// row of a released layer is one 4 KiB page (2048 bf16), and the hardware's stream prefetcher starts afresh on each
+// page: fetched ahead, the next row's first lines are on their way before it begins (Qwen3-30B-A3B's lm_head and
+// experts, bf16, Xeon SPR: 9.6 -> 11.7 GB/s at one thread, 20.8 -> 24 GB/s at two; 1024 beat 512, 2048, 4096 and
+// 8192). A prefetch changes no arithmetic.
+constexpr int64_t PREFETCH_AHEAD = PF_BYTES;
 #ifndef CHAINS
 #define CHAINS 2   // accumulator chains per lane (1, 2 or 4): part of the arithmetic's definition, see above
 #endif
@@ -266,6 +275,7 @@ AVX2_TARGET inline void chunks_avx2(const uint8_t* row, const float* x, int64_t 
   int64_t c = c0;
   for (; c + CHAINS * LANES <= c1 && c + CHAINS * LANES <= K; c += CHAINS * LANES)
     for (int h = 0; h < CHAINS; ++h) {
+      if (h == 0 && PREFETCH_AHEAD > 0) _mm_prefetch(reinterpret_cast<const char*>(row + c * eb + PREFETCH_AHEAD), _MM_HINT_T0);
       load16_avx2(WT, row + (c + h * LANES) * eb, wlo, whi);
       lo[h] = _mm256_fmadd_ps(wlo, _mm256_loadu_ps(x + c + h * LANES), lo[h]);
       hi[h] = _mm256_fmadd_ps(whi, _mm256_loadu_ps(x + c + h * LANES + 8), hi[h]);
@@ -299,6 +309,7 @@ AVX2_TARGET void rows_avx2_t(const Job& j, int64_t e, int64_t o0, int64_t o1, co
           for (int h = 0; h < CHAINS; ++h) {
             const int64_t g = g0 + h;
             if (g >= G) break;
+            if (h == 0 && PREFETCH_AHEAD > 0) _mm_prefetch(reinterpret_cast<const char*>(row + 16 * g + PREFETCH_AHEAD), _MM_HINT_T0);
             __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * g));
             __m128i blo = _mm_and_si128(b, _mm_set1_epi8(15));
             __m128i bhi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
@@ -414,15 +425,18 @@ AVX512_TARGET inline void chunks_avx512(const uint8_t* row, const float* x, int6
     // 32 e4m3 values decoded at once (chunks n, n + 1 -> chains 0, 1): half the instructions of two load16s
     const __m512i m = _mm512_set1_epi16(0x4000);
     for (; c + 2 * LANES <= c1 && c + 2 * LANES <= K; c += 2 * LANES) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + c + PREFETCH_AHEAD), _MM_HINT_T0);
       __m512i v = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c))), 7);
       v = _mm512_add_epi16(v, _mm512_and_si512(v, m));   // the sign, shifted to bit 14, carried on to bit 15
       acc[0] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(v)), _mm512_loadu_ps(x + c), acc[0]);
       acc[1] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1)), _mm512_loadu_ps(x + c + LANES), acc[1]);
     }
   }
-  for (; c + CHAINS * LANES <= c1 && c + CHAINS * LANES <= K; c += CHAINS * LANES)
+  for (; c + CHAINS * LANES <= c1 && c + CHAINS * LANES <= K; c += CHAINS * LANES) {
+    if constexpr (PREFETCH_AHEAD > 0) _mm_prefetch(reinterpret_cast<const char*>(row + c * eb + PREFETCH_AHEAD), _MM_HINT_T0);
     for (int h = 0; h < CHAINS; ++h)
       acc[h] = _mm512_fmadd_ps(load16_avx512(WT, row + (c + h * LANES) * eb), _mm512_loadu_ps(x + c + h * LANES), acc[h]);
+  }
   for (int h = 0; h < CHAINS; ++h) {
     const int64_t cc = c + h * LANES;
     if (cc >= c1) break;
@@ -451,6 +465,7 @@ AVX512_TARGET void rows_avx512_t(const Job& j, int64_t e, int64_t o0, int64_t o1
           for (int h = 0; h < CHAINS; ++h) {
             const int64_t g = g0 + h;
             if (g >= G) break;
+            if (h == 0 && PREFETCH_AHEAD > 0) _mm_prefetch(reinterpret_cast<const char*>(row + 16 * g + PREFETCH_AHEAD), _MM_HINT_T0);
             const __m512 xe = _mm512_loadu_ps(x + 32 * g), xo = _mm512_loadu_ps(x + 32 * g + 16);
             __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * g)));
             __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(c, _mm512_set1_epi32(15)), fp4);
