@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from ..planning.placement import Plan, Tier
 from ..storage.host import ExpertSplit, HostArena
+from ..storage.huge_pages import advise_huge
 
 
 def allocate(model: nn.Module, plan: Plan, dev: torch.device, arena: HostArena, quant=None):
@@ -41,6 +42,7 @@ def allocate(model: nn.Module, plan: Plan, dev: torch.device, arena: HostArena, 
             if ids is not None:
                 experts = t.shape[0]
                 resident = torch.empty((experts - len(ids), *shape[1:]), dtype=tdtype, device=dev)
+                advise_huge(resident)   # cpu: 2 MiB pages for what the kernels stream (before the first write)
                 splits[name] = ExpertSplit(resident, ids, experts)
                 if t.tier == Tier.HOST:   # a disk-tier split: its other experts stay in the checkpoint
                     regions[region].append((name, (len(ids), *shape[1:]), tdtype))
@@ -48,6 +50,7 @@ def allocate(model: nn.Module, plan: Plan, dev: torch.device, arena: HostArena, 
                 continue
             elif t.tier == Tier.DEVICE:
                 x = torch.empty(shape, dtype=tdtype, device=dev)
+                advise_huge(x)
                 if m.device.type != "meta":  # a buffer computed at construction: kept unless the checkpoint has one
                     x.copy_(m)
                 targets[name] = (x, x)

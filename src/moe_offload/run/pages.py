@@ -18,6 +18,7 @@ import torch
 
 from ..routing.cache_policy import make_cache
 from ..routing.expert_cache import ExpertCache
+from ..storage.huge_pages import advise_huge
 
 
 class PagedArena:
@@ -43,7 +44,10 @@ class PagedArena:
         if self.arena is None or tuple(self.arena.shape) != (pages, page) or self.arena.device != torch.device(device):
             # zeros, not empty: every page is touched now, at load, so no admission on the decode path pays the
             # first-touch faults of its pages (measured: a 6 MiB store into fresh pages took 6-30 ms on a cpu)
-            self.arena = torch.zeros((pages, page), dtype=torch.uint8, device=device)
+            # (in 2 MiB pages where the kernel allows: asked before the zeros are written, storage/huge_pages.py)
+            self.arena = torch.empty((pages, page), dtype=torch.uint8, device=device)
+            advise_huge(self.arena)
+            self.arena.zero_()
         self.page_bytes = page
         self.free = list(range(pages - 1, -1, -1))
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from .huge_pages import advise_huge
+
 # Sub-allocation alignment: 256 bytes on an accelerator (what its kernels and DMA engines read
 # fastest, and what its own allocator guarantees, so kernel choice matches resident weights);
 # 16 on the CPU, enough for vector loads while padding stays far below 1% on tiny models.
@@ -219,6 +221,7 @@ class HostArena:
             offsets.append(cursor)
             cursor += math.prod(shape) * dtype.itemsize
         host = torch.empty(cursor, dtype=torch.uint8)  # plain malloc-backed memory: exact size
+        advise_huge(host)   # in 2 MiB pages where the kernel allows: host compute streams these bytes
         slab = Slab(region, host)
         if self.device.type != "cpu":
             _pin(slab, self.device)
