@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from .clib import libc_function
 from .huge_pages import advise_huge
 
 # Sub-allocation alignment: 256 bytes on an accelerator (what its kernels and DMA engines read
@@ -259,13 +260,8 @@ def trim_heap() -> bool:
     """Hand the C heap's free pages back to the OS (glibc's malloc_trim), so that a closed model's memory leaves
     the process's RSS: tensors below glibc's mmap threshold come from the heap, which keeps freed pages. False
     where the C library has no malloc_trim (not glibc): nothing to do there."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
+    trim = libc_function("malloc_trim")
+    if trim is None:
         return False
     trim(0)
     return True

@@ -17,28 +17,23 @@ Where the kernel has no transparent huge pages, or says `never`, it is a no-op (
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import platform
-from functools import lru_cache
 from pathlib import Path
 
 import torch
+
+from .clib import libc_function
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14                     # <sys/mman.h>, Linux
 SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-@lru_cache(maxsize=1)
 def _madvise():
-    if platform.system() != "Linux":
-        return None
-    try:
-        f = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    f.restype = ctypes.c_int
+    f = libc_function("madvise") if platform.system() == "Linux" else None
+    if f is not None:
+        f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        f.restype = ctypes.c_int
     return f
 
 

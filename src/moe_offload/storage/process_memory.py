@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from ..kernels.host_rates import read_cache, write_cache
+from .clib import libc_function
 
 _PROBE = r"""
 import torch, transformers, moe_offload
@@ -90,15 +91,8 @@ def return_freed_buffers() -> bool:
     the cgroup to kill it).
     Every load on a cpu device (RAM is its memory bound) calls this: a process-wide allocator setting (setting it
     again changes nothing) that changes no result. False where there is no glibc."""
-    import ctypes
-    import ctypes.util
-
-    if platform.system() != "Linux":
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = libc_function("mallopt") if platform.system() == "Linux" else None
+    if mallopt is None:
         return False
     # and the heap's free top goes back from 1 MiB (default: 128 KiB, raised with the mmap threshold)
     return bool(mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, HEAP_MMAP_THRESHOLD))
