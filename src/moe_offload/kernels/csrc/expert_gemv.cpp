@@ -57,21 +57,21 @@ constexpr int64_t LANES = 16;
 #ifndef PF_BYTES
 #define PF_BYTES 1024
 #endif
-// Rows layout: the line PREFETCH_AHEAD bytes past the read position is asked into L1, and the one PREFETCH_L2
-// bytes past it into L2, once per 64 bytes read. A row of a released layer is one 4 KiB page (2048 bf16), and the
-// hardware's stream prefetcher starts afresh on each page: fetched ahead, the next row's lines are on their way
-// before it begins, and the L2 request a row ahead keeps more misses in flight than one core's stream prefetcher
-// does (Qwen3-30B-A3B's lm_head shape, bf16, Xeon SPR, 2 MiB pages: no prefetch 12.2 GB/s at one thread; L1 at 1024
-// 15.2; + L2 at 4096 18.2 (36 GB/s at two threads); 4 KiB pages 10.3 -> 12.1; L1 distances 512..8192 and L2
-// 2048..16384 tried, beyond 6144 the L2 gain goes; interleaving 2, 4 or 8 rows was slower than either). A prefetch
-// changes no arithmetic.
+// Rows layout: the line PREFETCH_AHEAD bytes past the read position is asked into L1, and the one PREFETCH_L2 bytes
+// past it into L2, at least once per 64 bytes read (per 32 in the FP8 and MXFP4 loops). A row of a released layer is
+// one 4 KiB page (2048 bf16), and the hardware's stream prefetcher starts afresh on each page: fetched ahead, the next
+// row's lines are on their way before it begins, and the L2 request a row ahead keeps more misses in flight than one
+// core's stream prefetcher does (Qwen3-30B-A3B's lm_head shape, bf16, Xeon SPR, 2 MiB pages: no prefetch 12.2 GB/s at
+// one thread; L1 at 1024 15.2; + L2 at 4096 18.2 (36 GB/s at two threads); 4 KiB pages 10.3 -> 12.1; L1 distances
+// 512..8192 and L2 2048..16384 tried, beyond 6144 the L2 gain goes; interleaving 2, 4 or 8 rows was slower than
+// either). A prefetch changes no arithmetic.
 constexpr int64_t PREFETCH_AHEAD = PF_BYTES;
 #ifndef PF_L2_BYTES
 #define PF_L2_BYTES 4096
 #endif
 constexpr int64_t PREFETCH_L2 = PF_L2_BYTES;
 
-inline void prefetch_ahead(const uint8_t* p) {   // p: the line being read (one call per 64 bytes read)
+inline void prefetch_ahead(const uint8_t* p) {   // p: the bytes being read (a call at least every 64)
   if constexpr (PREFETCH_AHEAD > 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_AHEAD), _MM_HINT_T0);
   if constexpr (PREFETCH_L2 > 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_L2), _MM_HINT_T1);
 }
