@@ -220,10 +220,11 @@ def skew(picks: list[int]) -> float:
 
 def child(spec: dict) -> dict:
     """One arm: load the model as spec says, prefill spec['prefill'] tokens, then one timed decode step per token
-    (spec['greedy']: each step's input is the token the step before chose, else the text's next; spec['sample']
-    {temperature, seed}: the token the step before drew from its softmax at that temperature, as llama.cpp's
-    `--temp T --top-k 0 --top-p 1 --min-p 0` draws; spec['experts']: how the experts are computed, load's default
-    when absent)."""
+    (the forward's time, as llama.cpp's eval time counts its decode; choosing the next token, which llama.cpp counts
+    apart as its sampling time, in choose_ms_per_token. spec['greedy']: each step's input is the token the step
+    before chose, else the text's next; spec['sample'] {temperature, seed}: the token the step before drew from its
+    softmax at that temperature, as llama.cpp's `--temp T --top-k 0 --top-p 1 --min-p 0` draws; spec['experts']:
+    how the experts are computed, load's default when absent)."""
     import torch
 
     torch.set_num_threads(spec["threads"])
@@ -271,7 +272,7 @@ def child(spec: dict) -> dict:
     cache_kw, _, takes_keep = _forward_keywords(model)
     extra = {"logits_to_keep": 1} if takes_keep else {}
     p, steps = spec["prefill"], spec["steps"]
-    itl, disk, io, argmax = [], [], [], []
+    itl, pick, disk, io, argmax = [], [], [], [], []
     sample = spec.get("sample")
     draw = torch.Generator().manual_seed(sample["seed"]) if sample else None
 
@@ -294,8 +295,10 @@ def child(spec: dict) -> dict:
             own = spec.get("greedy") or sample
             x = torch.tensor([[argmax[-1] if argmax else first]]) if own else ids[:, p + i:p + i + 1]
             out = model(input_ids=x, use_cache=True, **{cache_kw: cache}, **extra)
-            argmax.append(choose(out.logits[0, -1]))
             itl.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            argmax.append(choose(out.logits[0, -1]))
+            pick.append(time.perf_counter() - t)
             io.append(_io_read_bytes() - before)
             disk.append(rt.disk_counter.calls[-1][1])
             cache = getattr(out, cache_kw)
@@ -303,6 +306,7 @@ def child(spec: dict) -> dict:
     decode_routed = routed[1:]          # the prefill's call first
     row = {"arm": spec["label"], "key": spec["key"], "steps": steps, "load_s": load_s, "ttft_s": ttft,
            "itl_s": itl, "tok_s_mean": steps / sum(itl), "tok_s_p50": 1 / statistics.median(itl),
+           "choose_ms_per_token": statistics.mean(pick) * 1e3,
            "disk_counted_bytes_per_token": statistics.mean(disk), "proc_io_read_bytes_per_token": statistics.mean(io),
            "peak_rss_bytes": peak, "baseline_rss_bytes": base, "argmax": argmax, "routed": decode_routed,
            "resident_bytes": plan.resident_bytes,
