@@ -233,7 +233,7 @@ def child(spec: dict) -> dict:
     from moe_offload.measure.timing import _forward_keywords, peak_rss_bytes, reset_peak_rss
     from moe_offload.run.host_cache import host_cache_stats
     from moe_offload.run.lookahead import lookahead_stats
-    from moe_offload.run import experts, lookahead
+    from moe_offload.run import experts, lookahead, read_executor, streamed
     import transformers  # noqa: F401  (imported before the peak is reset)
 
     # Where a step's time goes (wrapped here, in this process only): the critical path's expert staging (reads,
@@ -252,6 +252,8 @@ def child(spec: dict) -> dict:
         setattr(cls, name, wrapper)
 
     timed(experts, "execute", "stage")   # the read plans carried out (experts.py calls read_executor.execute)
+    timed(streamed, "execute_sides", "stage")       # a streamed CPU decode step's: hits and resident rows placed,
+    timed(read_executor.Deferred, "wait", "stage")  # then each queued read waited for before its expert is computed
     timed(lookahead.AheadRows, "wait", "take")
     folder = Path(spec["model"])
     ids = torch.tensor([spec["ids"]])
