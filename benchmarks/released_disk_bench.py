@@ -212,8 +212,9 @@ def report(res: dict) -> str:
     cal = res.get("calibration")
     md += ["", "## Method", "", "`.venv/bin/python benchmarks/released_disk_bench.py` (in `make bench`). Ours: "
            "benchmarks/lookahead_bench_arms.py's child (load with the plan of `--device-memory CAP --reserve-gb R`, "
-           "host-tier placements read from disk as on a CPU, prefill, then one timed forward per token: its decode, as llama.cpp's eval time counts it; choosing the token, "
-           "which llama.cpp counts apart as its sampling time, is in the JSON's choose_ms_per_token)"
+           "host-tier placements read from disk as on a CPU, prefill, then one timed forward per token: its decode, "
+           "as llama.cpp's eval time counts it; choosing the token, which llama.cpp counts apart as its sampling "
+           "time, is in the JSON's choose_ms_per_token)"
            + (f"; (a)-(d) planned by the frequency policy from routing statistics recorded once beforehand, the "
               f"model resident, on another text ({cal['tokens']} sampled decode tokens, seed {cal['seed']}; distinct "
               f"experts per layer: {', '.join(map(str, cal['distinct_experts_per_layer'].values()))}), (b0) by the default "

@@ -74,8 +74,8 @@ def expert_gemv(x: torch.Tensor, stack, ids: torch.Tensor, *, transposed: bool =
     step give `isa` (best_isa() once, outside): the query is opaque to torch.compile."""
     if isa is None:
         isa = best_isa()
-    elif not torch.compiler.is_compiling() and not hasattr(torch.ops.moe_offload, "expert_gemv"):
-        kernels()   # isa given before the library was loaded (a path check per call cost ~12 us)
+    elif not torch.compiler.is_compiling():
+        kernels()
     x = x.float()
     ids = ids.reshape(-1).long()
     op = torch.ops.moe_offload.expert_gemv
