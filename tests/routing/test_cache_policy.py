@@ -318,3 +318,54 @@ def test_marked_steps_keep_tokens_apart_where_the_order_cannot():
             hits += [cache.access((5, e), 10) for e in picks]
         assert hits == [False, False, False, False, True, True, True, True], policy
         assert (cache.hits, cache.misses, cache.sweeps) == (4, 4, 4)
+
+
+# --- what a prefill leaves: preload and prefill_keeps (run/host_cache.py and replay share them) ---------------------
+
+@pytest.mark.parametrize("name", [*POLICIES, "belady"])
+def test_a_preload_fills_free_room_only_and_is_no_access(name):
+    future = [(0, 2), (0, 1), (0, 3)]
+    c = make_cache(name, 2 * 10, future=future if name == "belady" else None)
+    assert c.preload((0, 1), 10) and c.preload((0, 2), 10)
+    assert not c.preload((0, 1), 10)                 # resident already
+    assert not c.preload((0, 3), 10)                 # no free room: nothing is evicted for a preload
+    assert c.contents() == {(0, 1), (0, 2)} and c.used_bytes == 20
+    assert (c.hits, c.misses, c.evictions, c.clock, c.sweeps) == (0, 0, 0, 0, 0)
+    c.begin_step()
+    assert c.access((0, 2), 10) and c.access((0, 1), 10)   # then hits like any admitted expert
+    c.begin_step()
+    c.access((0, 3), 10)                             # a miss evicts a preloaded one as it would an admitted one
+    assert c.misses == 1 and len(c.contents() & {(0, 1), (0, 2)}) == 2 - c.evictions
+
+
+def test_belady_knows_a_preloaded_experts_next_use():
+    # (0,3) comes back first, then (0,1), then (0,2): admitting (0,3), belady evicts (0,2), the farthest (were the
+    # preloaded experts' next uses unknown, a tie would evict the lower key, (0,1))
+    c = make_cache("belady", 2 * 10, future=[(0, 3), (0, 3), (0, 1), (0, 2)])
+    c.preload((0, 1), 10)
+    c.preload((0, 2), 10)
+    c.begin_step()
+    c.access((0, 3), 10)
+    assert c.contents() == {(0, 1), (0, 3)}
+
+
+def test_lfu_counts_a_preload_as_one_use():
+    c = make_cache("lfu", 2 * 10)
+    c.preload((0, 1), 10)                    # one use
+    c.begin_step()
+    c.access((0, 2), 10)                     # one use, more recent: (0,1) is the victim of the next miss
+    c.begin_step()
+    c.access((1, 3), 10)
+    assert c.contents() == {(0, 2), (1, 3)}
+
+
+def test_prefill_keeps_the_most_picked_within_the_room():
+    from moe_offload.routing.expert_cache import prefill_keeps
+
+    picks = [3, 0, 5, 3, 1, 2]
+    nbytes = [10, 10, 10, 10, 0, 10]          # expert 4 has no cached bytes
+    assert prefill_keeps(picks, nbytes, 0) == []
+    assert prefill_keeps(picks, nbytes, 10) == [2]
+    assert prefill_keeps(picks, nbytes, 25) == [0, 2]        # a tie (0 and 3, 3 picks each): the lower id
+    assert prefill_keeps(picks, nbytes, 100) == [0, 2, 3, 5]  # never one not picked, nor one without bytes
+    assert prefill_keeps([1, 1], [30, 10], 20) == [1]        # one that does not fit is passed over

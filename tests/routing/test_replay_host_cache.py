@@ -8,7 +8,8 @@ The trace is test_replay.py's: decode tokens, in the order a cache sees them (pe
     token 2   (0,1) (0,2) (1,0)          (layer 1 dropped a pick)
     token 3   (0,0) (0,3) (1,1) (1,2)
 11 accesses of 8 distinct experts; a cache that holds them all hits 3 times: (0,1) at token 2, (0,0) and (1,2)
-at token 3.
+at token 3. TRACE is those decode rows alone; WITH_PREFILL has the prompt's prefill row before them (experts 0 and 1
+in both layers), whose reads the host cache keeps in its free room (leave_prefill): counted by hand below too.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ from fixtures_records import EMBED, FINAL_NORM, LM_HEAD, gb, layer, make_inv
 INV = make_inv([EMBED, *layer(0), *layer(1), FINAL_NORM, LM_HEAD])
 EXPERT = 192
 ROWS = (
-    TraceRow(0, 0, "prefill", ((0, 1), (0, 1))),   # prefill: not replayed
+    TraceRow(0, 0, "prefill", ((0, 1), (0, 1))),   # prefill: not replayed, but what it leaves in the host cache is
     TraceRow(0, 1, "decode", ((1, 0), (2, 3))),
     TraceRow(0, 2, "decode", ((1, 2), (0,))),
     TraceRow(0, 3, "decode", ((3, 0), (2, 1))),
 )
-TRACE = Trace(TraceHeader("qwen3_moe", 4, 2, (0, 1)), ROWS, "hand.jsonl")
+TRACE = Trace(TraceHeader("qwen3_moe", 4, 2, (0, 1)), ROWS[1:], "hand.jsonl")
+WITH_PREFILL = Trace(TRACE.header, ROWS, "hand-prefill.jsonl")
 ALL = gb(8 * EXPERT)     # every expert of both layers
 
 
@@ -67,6 +69,24 @@ def test_hits_move_exactly_their_disk_bytes_to_host_memory(experts, hits):
     assert (r.host_cache_policy, r.host_cache_bytes) == ("lru", experts * EXPERT)
     # the host cache is no device cache: every pick still crosses to the device
     assert (r.expert_reads, r.cache_hits, r.cache_policy) == (11, 0, None)
+
+
+def test_a_prefill_leaves_its_most_picked_experts_in_the_free_room():
+    """lru. A cache of all 8: each layer's share is 4, the prefill leaves (0,0) (0,1) (1,0) (1,1); then token 1 hits
+    (0,0) (0,1), token 2 (0,1) (1,0), token 3 (0,0) (1,1) (1,2): 7 hits, the 4 others miss (3 hits without the
+    prefill). A cache of 2: a share of 1 expert per layer, ties to the lower id, (0,0) and (1,0); (0,0) hits at
+    token 1, every other access evicts what comes back later: 1 hit, 10 misses. The bytes read stay the same."""
+    p = on_disk()
+    r = replay(p, WITH_PREFILL, host_cache_gb=ALL, cache_policy="lru")
+    assert (r.host_cache_hits, r.host_cache_misses) == (7, 4)
+    assert totals(r) == (7 * EXPERT, 4 * EXPERT)
+    assert replay(p, TRACE, host_cache_gb=ALL, cache_policy="lru").host_cache_hits == 3
+    small = replay(p, WITH_PREFILL, host_cache_gb=gb(2 * EXPERT), cache_policy="lru")
+    assert (small.host_cache_hits, small.host_cache_misses) == (1, 10)
+    assert r.link_bytes_per_token == small.link_bytes_per_token == replay(p, TRACE).link_bytes_per_token
+    # host-tier experts are no host cache's: a prefill leaves nothing of them
+    host = replay(tiered(lambda t: Tier.HOST), WITH_PREFILL, host_cache_gb=ALL, cache_policy="lru")
+    assert (host.host_cache_hits, host.host_cache_misses) == (0, 0)
 
 
 def test_the_host_cache_sees_only_disk_bytes():

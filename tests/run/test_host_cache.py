@@ -13,7 +13,8 @@ What is checked: tokens and logits bit-identical to the same plan without the ho
 backends); a bigger cache reads fewer bytes from disk and more from host memory, and one holding every disk
 expert reads no routed expert from disk once it has seen them; hits, misses and bytes equal replay's on the
 generation's own trace (lru, lfu, heat; and with a device cache above it); the carve out of the host budget;
-refused sizes; a prefill leaves the cache empty; a plan with nothing on disk leaves it empty.
+refused sizes; a prefill keeps its most picked disk experts in free pages (exact rows) and reads as without the
+cache; a plan with nothing on disk leaves it empty.
 """
 
 from __future__ import annotations
@@ -116,9 +117,14 @@ def test_a_cache_of_every_disk_expert_reads_no_routed_expert_from_disk_once_it_h
     ids = prompt_ids(folder, 8)
     model, _ = load(folder, plan=plan, host_cache_gb=gb(12 * EXPERT))
     rt = model.moe_offload_runtime
+    with torch.no_grad():
+        model(input_ids=ids)                   # a prefill alone: what it leaves in the cache
+    left = len(rt.host_cache.contents())
+    assert 0 < left <= 12 and (rt.host_cache.policy.hits, rt.host_cache.policy.misses) == (0, 0)
     generate(model, ids)
     first = rt.host_cache.stats()
-    assert first["host_cache_misses"] == len(rt.host_cache.contents()) > 0   # each expert read from disk once
+    # each expert read from disk once on the decode path: every miss was admitted beside what the prefill left
+    assert first["host_cache_misses"] == len(rt.host_cache.contents()) - left
     prefill_disk = rt.disk_counter.calls[0][1]
     rt.disk_counter.reset()
     # The same prompt again routes the same experts: every decode step finds them all in host memory.
@@ -239,14 +245,40 @@ def test_a_host_cache_smaller_than_one_disk_expert_is_refused_at_load(folder):
     assert model.moe_offload_runtime.host_cache.host_bytes == EXPERT
 
 
-def test_a_prefill_leaves_the_host_cache_empty(folder):
-    model, _ = load(folder, plan=disk_plan(folder, "whole"), host_cache_gb=gb(12 * EXPERT))
+def test_a_prefill_leaves_its_most_picked_disk_experts_in_free_pages_and_reads_as_without_the_cache(folder):
+    """A prefill is no host-cache access (no hit, no miss, every disk expert read from disk), but per layer its
+    most picked experts stay in free pages, within the layer's share of the capacity, their rows exact."""
+    ids = prompt_ids(folder, 8)
+    plain, _ = load(folder, plan=disk_plan(folder, "whole"))
+    model, _ = load(folder, plan=disk_plan(folder, "whole"), host_cache_gb=gb(5 * EXPERT))
+    resident, _ = load(folder, offload_gb=0)
     rt = model.moe_offload_runtime
+    picked = {}
+    rt.recorder = lambda call: picked.update({k: v.reshape(-1).tolist() for k, v in call.experts.items()})
     with torch.no_grad():
-        model(input_ids=prompt_ids(folder, 8))
-    assert rt.host_cache.contents() == set()
-    assert (rt.host_cache.policy.hits, rt.host_cache.policy.misses) == (0, 0)
-    assert rt.disk_counter.calls[-1][1] > 0       # the prefill did read its experts, from disk
+        plain(input_ids=ids)
+        model(input_ids=ids)
+    cache = rt.host_cache
+    assert (cache.policy.hits, cache.policy.misses, cache.policy.evictions) == (0, 0, 0)
+    assert rt.disk_counter.calls[-1][1] == plain.moe_offload_runtime.disk_counter.calls[-1][1] > 0
+    kept = cache.contents()
+    share = 5 * EXPERT // 2                       # two layers on disk: 2 experts each
+    for layer in (0, 1):
+        mine = sorted(e for lay, e in kept if lay == layer)
+        counts = [picked[layer].count(e) for e in range(6)]
+        ranked = sorted((e for e in range(6) if counts[e]), key=lambda e: (-counts[e], e))
+        assert mine == sorted(ranked[:share // EXPERT]), (layer, counts, mine)
+        experts = resident.model.layers[layer].mlp.experts
+        for e in mine:
+            for name, pages in zip(cache._layers[layer].names, cache.pages.held[(layer, e)]):
+                want = getattr(experts, name)[e]
+                got = torch.empty_like(want)
+                cache.read(list(pages), got)
+                assert torch.equal(got, want), (layer, e, name)
+    # a second prefill finds no free room beyond the shares: nothing evicted, nothing more kept
+    with torch.no_grad():
+        model(input_ids=ids.flip(-1))
+    assert cache.policy.evictions == 0 and cache.policy.used_bytes <= 5 * EXPERT
 
 
 def test_a_plan_with_nothing_on_disk_leaves_the_host_cache_empty(folder):

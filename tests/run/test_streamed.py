@@ -130,7 +130,9 @@ def test_resident_experts_and_admitted_misses_are_read_where_they_lie(folder, re
     real_place, real_store, real_project = Deferred.place, HostCache.store, streamed.kernel_project
     monkeypatch.setattr(Deferred, "place", lambda self, p, name, stack, row: placed.append(stack)
                         or real_place(self, p, name, stack, row))
-    monkeypatch.setattr(HostCache, "store", lambda self, pages, row: stores.append(pages) or real_store(self, pages, row))
+    box = {}    # the decode steps' stores (a prefill stores the experts it keeps after reading them: gathered)
+    monkeypatch.setattr(HostCache, "store", lambda self, pages, row: (box["rt"].decode_step and stores.append(pages))
+                        or real_store(self, pages, row))
 
     def counted(*a):           # the streamed step's kernel calls: the pairs of each
         project = real_project(*a)
@@ -140,8 +142,8 @@ def test_resident_experts_and_admitted_misses_are_read_where_they_lie(folder, re
     path = folder("qwen3_moe")
     ids, (want_seq, want_logits) = resident[1]("qwen3_moe")
     with load(path, plan=resident_and_on_disk(path, whole_gate_up), experts="fused", host_cache_gb=0.001) as loaded:
+        rt = box["rt"] = runtime_of(loaded.model)
         seq, logits = generate_new(loaded.model, ids)
-        rt = runtime_of(loaded.model)
         splits = [s.resident for s in rt.splits.values()]
         stats = rt.host_cache.stats()
     assert steps and stats["host_cache_misses"] > 0 and stats["host_cache_hits"] > 0, stats

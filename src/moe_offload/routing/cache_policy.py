@@ -89,6 +89,10 @@ class _ScoredCache(ExpertCache):
     def _on_admit(self, key):
         heapq.heappush(self._heap, self._entry(key))
 
+    def _on_preload(self, key):   # the prefill's read counts as one use
+        self._touch(key)
+        self._on_admit(key)
+
 
 class LFUCache(_ScoredCache):
     """Evict the expert with the fewest accesses so far (counts survive eviction); ties: least recently used."""
@@ -159,6 +163,11 @@ class BeladyCache(ExpertCache):
 
     def _on_evict(self, key):
         del self._next[key]
+
+    def _on_preload(self, key):   # its next use: the first access of it from now on
+        pos = self.clock
+        self._incoming = next((i for i in range(pos, len(self._future)) if self._future[i] == key), len(self._future))
+        self._on_admit(key)
 
     def _victims(self, key, nbytes, need):
         found = self._heap_victims(self._heap, self._entry, need)

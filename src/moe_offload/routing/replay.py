@@ -9,7 +9,8 @@ Without a cache the count is a few array gathers per layer (10^5 tokens x 60 lay
 under a second). With a cache, accesses are sequential by nature: per token, per layer in
 order, per picked offloaded expert in ascending id, `cache.access((layer, expert), nbytes)`,
 the interface the runtime drives too (cache_policy.py), with the access sequence built by
-numpy so that the Python work per access is the call alone.
+numpy so that the Python work per access is the call alone. Before a prompt's first decode token, the host cache
+takes what that prompt's prefill left in it (the trace's prefill rows: leave_prefill), as the runtime's does.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import numpy as np
 from ..planning.accounting import TokenBytes
 from ..errors import MoeOffloadError, TraceError
 from ..planning.placement import GiB, Plan
-from ..formats.traces import Trace, TraceRow, check_trace_matches, routing_array
+from ..formats.traces import Phase, Trace, TraceRow, check_trace_matches, routing_array
+from .expert_cache import prefill_keeps
 
 
 @dataclass(frozen=True)
@@ -106,12 +108,45 @@ class CacheWalk:
     admitted: np.ndarray | None = None   # with `admissions`: a device-cache miss the cache took in (it travels)
 
 
+def prefill_picks(trace: Trace, n_layers: int, num_experts: int) -> dict[int, np.ndarray]:
+    """Decode token index (in the trace's decode rows) -> [layers, experts] picks of the prefill rows just before it:
+    what the runtime's prefill of that prompt left in the host cache is a function of these (leave_prefill)."""
+    out, pending, decoded = {}, None, 0
+    for r in trace.rows:
+        if r.phase == Phase.PREFILL:
+            if pending is None:
+                pending = np.zeros((n_layers, num_experts), np.int64)
+            for row, picks in enumerate(r.experts):
+                np.add.at(pending[row], [e for e in picks if 0 <= e < num_experts], 1)
+        else:
+            if pending is not None:
+                out[decoded], pending = pending, None
+            decoded += 1
+    return out
+
+
+def leave_prefill(tb: TokenBytes, host_cache, picks: np.ndarray) -> None:
+    """What a prefill leaves in the host cache, as run/host_cache.py leaves it: per layer with disk experts, in
+    order, the experts prefill_keeps names (the most picked, within the layer's share of the capacity and the free
+    room) preloaded in ascending id."""
+    served = [row for row in range(len(tb.layers)) if tb.expert_disk[row].any()]
+    if not served:
+        return
+    share = host_cache.capacity_bytes // len(served)
+    for row in served:
+        nbytes = tb.expert_disk[row].tolist()
+        room = min(share, host_cache.capacity_bytes - host_cache.used_bytes)
+        for e in prefill_keeps(picks[row].tolist(), nbytes, room):
+            host_cache.preload((int(tb.layers[row]), e), nbytes[e])
+
+
 def walk_caches(tb: TokenBytes, ids: np.ndarray, *, cache=None, host_cache=None, snapshot: bool = False,
-                admissions: bool = False) -> CacheWalk:
+                admissions: bool = False, prefills: dict[int, np.ndarray] | None = None) -> CacheWalk:
     """Drive the caches through the accesses of `ids` as the runtime does (replay_routing's walk, for every user
     of per-access hits): one marked step per token, the device cache first, the host cache on its misses that have
     disk bytes. Without caches, the accesses alone (nothing hit). `admissions`: also note which device-cache misses
-    the cache admitted (`key in cache` after the miss; a cache without `__contains__` admits none)."""
+    the cache admitted (`key in cache` after the miss; a cache without `__contains__` admits none). `prefills`
+    (prefill_picks): before those tokens, what their prompt's prefill left in the host cache."""
     t, n_layers, _ = ids.shape
     host = np.concatenate([tb.expert_host, np.zeros((n_layers, 1), np.int64)], axis=1)
     disk = np.concatenate([tb.expert_disk, np.zeros((n_layers, 1), np.int64)], axis=1)
@@ -144,6 +179,8 @@ def walk_caches(tb: TokenBytes, ids: np.ndarray, *, cache=None, host_cache=None,
     start = 0
     for i, end in enumerate(ends):   # every token is one decode step, as the runtime marks it
         noted[0] = -1
+        if host_cache is not None and prefills and i in prefills:
+            leave_prefill(tb, host_cache, prefills[i])
         if cache is not None:
             cache.begin_step()
         if host_cache is not None:
@@ -164,7 +201,7 @@ def walk_caches(tb: TokenBytes, ids: np.ndarray, *, cache=None, host_cache=None,
 
 
 def replay_routing(tb: TokenBytes, ids: np.ndarray, *, cache=None, host_cache=None,
-                   predicted: np.ndarray | None = None) -> RoutingCost:
+                   predicted: np.ndarray | None = None, prefills: dict[int, np.ndarray] | None = None) -> RoutingCost:
     """Bytes read by the tokens of `ids` ([T, layers, width] expert ids in `tb.layers` order, -1 = none).
 
     cache: an object with access(key, nbytes) -> hit (cache_policy.make_cache), or None.
@@ -172,6 +209,7 @@ def replay_routing(tb: TokenBytes, ids: np.ndarray, *, cache=None, host_cache=No
     bytes that the device cache did not hold is looked up there (its disk bytes); a hit reads them from host
     memory (host bytes) instead of the disk.
     predicted: [T, layers, width] ids a look-ahead predictor named (-1 = none): its hits, misses and wasted bytes.
+    prefills: walk_caches's (what each prompt's prefill left in the host cache).
     """
     t, n_layers, _ = ids.shape
     if n_layers != len(tb.layers):
@@ -189,7 +227,7 @@ def replay_routing(tb: TokenBytes, ids: np.ndarray, *, cache=None, host_cache=No
             reads += int(np.count_nonzero(h + d))
         return RoutingCost(t, host_bytes, disk_bytes, reads, 0)
 
-    walk = walk_caches(tb, ids, cache=cache, host_cache=host_cache,
+    walk = walk_caches(tb, ids, cache=cache, host_cache=host_cache, prefills=prefills,
                        snapshot=(cache is not None or host_cache is not None) and predicted is not None)
     tok, lay, experts, hit, in_host, held = walk.tok, walk.lay, walk.experts, walk.hit, walk.in_host, walk.held
     miss = ~hit
@@ -254,6 +292,7 @@ class ReplayInputs:
     host_cache_policy: str | None
     host_cache_bytes: int
     predicted: np.ndarray | None
+    prefills: dict   # decode token index -> its prompt's prefill picks (prefill_picks)
 
 
 def replay_inputs(plan: Plan, trace: Trace, *, cache_gb: float | None = None, cache_policy: str | None = None,
@@ -293,7 +332,8 @@ def replay_inputs(plan: Plan, trace: Trace, *, cache_gb: float | None = None, ca
         pwidth = max(1, max(len(p) for r in rows for p in r.predicted))
         predicted = routing_array([TraceRow(r.seq, r.pos, r.phase, r.predicted) for r in rows], pwidth,
                                   len(tb.layers), dtype=dtype)
-    return ReplayInputs(tb, ids, cache, name, capacity, host_cache, host_name, host_capacity, predicted)
+    return ReplayInputs(tb, ids, cache, name, capacity, host_cache, host_name, host_capacity, predicted,
+                        prefill_picks(trace, len(tb.layers), tb.num_experts))
 
 
 def replay(plan: Plan, trace: Trace, *, cache_gb: float | None = None, cache_policy: str | None = None,
@@ -309,7 +349,7 @@ def replay(plan: Plan, trace: Trace, *, cache_gb: float | None = None, cache_pol
     inputs = replay_inputs(plan, trace, cache_gb=cache_gb, cache_policy=cache_policy, host_cache_gb=host_cache_gb)
     host_cache = inputs.host_cache
     cost = replay_routing(inputs.tb, inputs.ids, cache=inputs.cache, host_cache=host_cache,
-                          predicted=inputs.predicted)
+                          predicted=inputs.predicted, prefills=inputs.prefills)
     n = cost.tokens
     return ReplayResult(
         tokens=n, link_bytes_per_token=(cost.host_bytes + cost.disk_bytes) / n,

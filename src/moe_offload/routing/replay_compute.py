@@ -142,7 +142,7 @@ def _stand_in(hw: Hardware, mode: ExpertCompute) -> Hardware:
 _FIELDS = ("pairs", "bytes", "disk", "moved", "s_pairs", "s_bytes", "s_disk", "s_moved", "device")
 
 
-def _steps(shape: ComputeShape, ids: np.ndarray, cache, host_cache) -> dict[str, np.ndarray]:
+def _steps(shape: ComputeShape, ids: np.ndarray, cache, host_cache, prefills=None) -> dict[str, np.ndarray]:
     """Each [T, layers] figure of _FIELDS, from the accesses of replay's walk (every offloaded pick, in order)."""
     tb = shape.tb
     t, n_layers, _ = ids.shape
@@ -150,7 +150,7 @@ def _steps(shape: ComputeShape, ids: np.ndarray, cache, host_cache) -> dict[str,
     resident = np.concatenate([shape.expert_bytes - off_all, np.zeros((n_layers, 1), np.int64)], axis=1)
     safe = np.where(ids >= 0, ids, tb.num_experts).astype(np.int64)
     out = {"device": resident[np.arange(n_layers)[None, :, None], safe].sum(axis=2)}
-    walk = walk_caches(tb, ids, cache=cache, host_cache=host_cache, admissions=True)
+    walk = walk_caches(tb, ids, cache=cache, host_cache=host_cache, admissions=True, prefills=prefills)
     lay, ex = walk.lay, walk.experts
     flat = walk.tok * n_layers + lay
     off, disk = off_all[lay, ex], tb.expert_disk[lay, ex]
@@ -171,16 +171,17 @@ def _steps(shape: ComputeShape, ids: np.ndarray, cache, host_cache) -> dict[str,
 
 
 def replay_compute(shape: ComputeShape, ids: np.ndarray, mode: ExpertCompute, hw: Hardware, *, cache=None,
-                   host_cache=None) -> ComputeReplay:
+                   host_cache=None, prefills=None) -> ComputeReplay:
     """The decode tokens of `ids` ([T, layers, width] expert ids in shape.tb.layers order, -1 = none) under `mode`
-    on `hw`, with the caches of replay (fresh objects: a walk uses them up). A pure function of its inputs."""
+    on `hw`, with the caches of replay (fresh objects: a walk uses them up) and what prompts' prefills left in the
+    host cache (`prefills`: replay.prefill_picks). A pure function of its inputs."""
     tb = shape.tb
     t, n_layers, _ = ids.shape
     if n_layers != len(tb.layers):
         raise ValueError(f"routing of {n_layers} layers for a placement of {len(tb.layers)} routed layers")
     mode = ExpertCompute(mode)
     used = _stand_in(hw, mode)
-    step = _steps(shape, ids, cache, host_cache)
+    step = _steps(shape, ids, cache, host_cache, prefills)
     link, device_bw, device_flops = hw.link_bytes_per_s, hw.device_bytes_per_s, hw.device_flops_per_s
     h = shape.hidden_bytes
     # One cost per distinct step: steps repeat, and the cost model is scalar.
@@ -238,4 +239,4 @@ def compute_replay(plan: Plan, trace: Trace, mode: ExpertCompute | str, hw: Hard
     stated machine: see replay_compute."""
     inputs = replay_inputs(plan, trace, cache_gb=cache_gb, cache_policy=cache_policy, host_cache_gb=host_cache_gb)
     return replay_compute(compute_shape(plan, hidden_size=hidden_size), inputs.ids, ExpertCompute(mode), hw,
-                          cache=inputs.cache, host_cache=inputs.host_cache)
+                          cache=inputs.cache, host_cache=inputs.host_cache, prefills=inputs.prefills)

@@ -9,7 +9,8 @@ are dequantized into) such a step goes here instead:
     the selected experts, ascending, in chunks of as many as fit the bound (at least one);
     per chunk, the read plan of those experts (read_plan.plan_step: charged once per chunk, which sums to the
     step's bytes), its executor's copies into the same reused buffers, dequantization of the chunk if held
-    quantized; then the chunk's (token, expert) pairs computed (grouped.pair_outputs: one matrix product per
+    quantized (the disk experts the host cache keeps from the whole step stored as their chunk lands: read_plan.py);
+    then the chunk's (token, expert) pairs computed (grouped.pair_outputs: one matrix product per
     expert, as the eager loop) and put in their slots;
     every token's pairs summed in slot order (grouped.sum_pairs).
 
@@ -26,7 +27,7 @@ import torch
 
 from .grouped import loop_project, pair_outputs, sum_pairs
 from .read_executor import execute
-from .read_plan import plan_step
+from .read_plan import plan_step, prefill_kept
 from .state import Selected, index_tensor
 
 STAGING_BOUND = 256 << 20   # bytes of selected experts' rows a layer step stages at once, at most (but one expert)
@@ -55,10 +56,11 @@ def chunked_step(state, module, selected: Selected, hidden: torch.Tensor, top_k_
     ids, k = list(selected.ids), selected.k
     weights = top_k_weights.reshape(-1)
     out = torch.empty((len(selected.slots), hidden.size(-1)), dtype=hidden.dtype, device=dev)
+    keeps = prefill_kept(rt, state, selected)     # of the whole step's pairs, stored chunk by chunk as read
     for start in range(0, len(ids), size):
         chunk = ids[start:start + size]
         part = Selected.of_ids(chunk, dev)
-        plan = plan_step(rt, state, part, False)
+        plan = plan_step(rt, state, part, False, keeps=keeps)
         plan.charge(rt)
         staged = execute(rt, state, plan)
         state.complete(module, staged, part.index)   # dequantized, resident per-expert tensors renumbered

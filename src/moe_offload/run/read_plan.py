@@ -150,12 +150,14 @@ class StepPlan:
 
 
 def plan_step(rt: "RunState", state: ExpertsLike, selected: Selected, through_cache: bool,
-              host=None) -> StepPlan:
+              host=None, keeps: frozenset | None = None) -> StepPlan:
     """The read plan of `state`'s layer step for its `selected` experts. `through_cache`: a decode step the device
     cache serves (every offloaded expert tensor is then read through it). `host`: with host compute, a callable
     given the experts that could be computed on the host (ascending) that returns their HostSide, or None to
     compute them on the device (host_compute.HostCompute.side: the cost model's choice). Runs the caches' policies
-    (their decisions are the step's), nothing else: no copy, no counter."""
+    (their decisions are the step's), nothing else: no copy, no counter. A prefill step's disk experts that the
+    host cache keeps (host_cache.HostCache.prefill_keeps: of `selected`'s pairs, or `keeps` given for a chunk of a
+    step) are read from disk and admitted into its free pages, nothing hit."""
     layer, ids = state.layer, list(selected.ids)
     la = rt.lookahead if rt.lookahead is not None and rt.decode_step else None
     if la is not None and la.serves(layer):                      # the guesses not picked are dropped first
@@ -164,8 +166,14 @@ def plan_step(rt: "RunState", state: ExpertsLike, selected: Selected, through_ca
         la = None
     dc = rt.cache.decide(layer, ids) if through_cache else None
     off_device = [e for e in ids if dc is None or not dc.held(e)]
-    hc = rt.host_cache if state.disk and rt.host_cache_step and rt.host_cache.serves(layer) else None
-    hd = hc.decide(layer, off_device) if hc is not None else None
+    hc = rt.host_cache if state.disk and rt.host_cache is not None and rt.host_cache.serves(layer) else None
+    if hc is not None and rt.host_cache_step:
+        hd = hc.decide(layer, off_device)
+    elif hc is not None and not rt.decode_step:
+        kept = keeps if keeps is not None else prefill_kept(rt, state, selected)
+        hd = hc.preload(layer, [e for e in ids if e in kept])
+    else:
+        hd = None
     side = host(_host_candidates(state, off_device, dc)) if host is not None else None
     local = set(side.experts) if side is not None else set()
     tensors = [_tensor_reads(state, name, False, ids, dc, None, la, local) for name in state.offloaded]
@@ -173,6 +181,15 @@ def plan_step(rt: "RunState", state: ExpertsLike, selected: Selected, through_ca
     return StepPlan(layer, selected, tuple(tensors),
                     tuple(e for e in ids if dc is not None and dc.held(e)),
                     tuple(e for e in off_device if hd is not None and hd.held(e)), side)
+
+
+def prefill_kept(rt: "RunState", state: ExpertsLike, selected: Selected) -> frozenset:
+    """The experts of a prefill layer step (every pair in `selected.slots`) that the host cache keeps; none where it
+    does not serve the layer or in a decode step."""
+    hc = rt.host_cache
+    if not state.disk or hc is None or not hc.serves(state.layer) or rt.decode_step:
+        return frozenset()
+    return hc.prefill_keeps(state.layer, selected.slots)
 
 
 def _host_candidates(state: ExpertsLike, off_device: list[int], dc: Decision | None) -> list[int]:
