@@ -117,7 +117,8 @@ class RunState:
         # The device-side expert cache (device_cache.DeviceCache), or None; it serves decode steps (`cache_step`) only.
         self.cache = cache
         self.cache_step = False
-        # The host-memory cache of disk-tier experts (host_cache.HostCache), or None; decode steps only too.
+        # The host-memory cache of disk-tier experts (host_cache.HostCache), or None; decode steps look it up (a
+        # prefill only stores what it read into its free room: read_plan.plan_step).
         self.host_cache = host_cache
         self.host_cache_step = False
         # run/lookahead.Lookahead (predicted offloaded experts read N layers ahead), or None; decode steps only.
