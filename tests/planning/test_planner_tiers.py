@@ -247,10 +247,16 @@ def test_replay_of_a_hand_trace_with_disk_experts():
     c = replay(p, trace, cache_gb=10 * UNIT / GiB, cache_policy="lru")
     assert (c.cache_hits, c.cache_misses) == (3, 5)
     assert (c.host_link_bytes_per_token, c.disk_read_bytes_per_token) == (2 * 192 / 3, (48 + 3 * 192) / 3)
-    # a host cache alone holds the disk-tier experts: L0e1 and L1e0 at token 2 are read from host memory instead
+    # a host cache alone holds the disk-tier experts, and the prefill (L0 e1 e2, L1 e0 e1) leaves its disk experts
+    # L0e1, L1e0, L1e1 there (each layer's share: 5 experts): all 5 disk picks are read from host memory instead
     h = replay(p, trace, host_cache_gb=10 * UNIT / GiB, cache_policy="lru")
-    assert (h.host_cache_hits, h.host_cache_misses) == (2, 3)
-    assert (h.host_link_bytes_per_token, h.disk_read_bytes_per_token) == ((576 + 2 * 192) / 3, (1008 - 2 * 192) / 3)
+    assert (h.host_cache_hits, h.host_cache_misses) == (5, 0)
+    assert (h.host_link_bytes_per_token, h.disk_read_bytes_per_token) == ((576 + 5 * 192) / 3, (1008 - 5 * 192) / 3)
+    # without the prefill row, the decode steps' own repeats only: L0e1 and L1e0 at token 2
+    bare = replay(p, Trace(trace.header, rows[1:], "hand.jsonl"), host_cache_gb=10 * UNIT / GiB, cache_policy="lru")
+    assert (bare.host_cache_hits, bare.host_cache_misses) == (2, 3)
+    assert (bare.host_link_bytes_per_token, bare.disk_read_bytes_per_token) == ((576 + 2 * 192) / 3,
+                                                                                (1008 - 2 * 192) / 3)
 
 
 # --- the command line ----------------------------------------------------------------------------------------
