@@ -28,6 +28,7 @@ Policies (`make_cache(name, capacity_bytes)`):
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections import OrderedDict
@@ -138,6 +139,7 @@ class BeladyCache(ExpertCache):
         self._next: dict = {}  # resident key -> its next use
         self._heap: list = []  # (-next use, key): the farthest first
         self._incoming = never  # the next use of the key being accessed
+        self._uses: dict | None = None   # key -> its positions in `future` (preload's lookup), made when needed
 
     def _advance(self, key):
         pos = self.clock - 1
@@ -165,8 +167,13 @@ class BeladyCache(ExpertCache):
         del self._next[key]
 
     def _on_preload(self, key):   # its next use: the first access of it from now on
-        pos = self.clock
-        self._incoming = next((i for i in range(pos, len(self._future)) if self._future[i] == key), len(self._future))
+        if self._uses is None:    # key -> its positions in the future, ascending (made at the first preload)
+            self._uses = {}
+            for i, k in enumerate(self._future):
+                self._uses.setdefault(k, []).append(i)
+        uses = self._uses.get(key, [])
+        at = bisect.bisect_left(uses, self.clock)
+        self._incoming = uses[at] if at < len(uses) else len(self._future)
         self._on_admit(key)
 
     def _victims(self, key, nbytes, need):

@@ -150,6 +150,11 @@ class ExpertCache:
         self._on_preload(key)
         return True
 
+    def prefill_room(self, layers: int) -> int:
+        """The bytes a prefill may leave in this cache for one of `layers` layers: that layer's share of the
+        capacity, at most the room still free (what prefill_keeps is given, by the runtime and by replay)."""
+        return min(self.capacity_bytes // layers, self.capacity_bytes - self.used_bytes)
+
     def _hold(self, key: Key, nbytes: int) -> None:
         """key resident: the smallest free slot, its bytes counted."""
         if self._free_slots:

@@ -132,11 +132,9 @@ def leave_prefill(tb: TokenBytes, host_cache, picks: np.ndarray) -> None:
     served = [row for row in range(len(tb.layers)) if tb.expert_disk[row].any()]
     if not served:
         return
-    share = host_cache.capacity_bytes // len(served)
     for row in served:
         nbytes = tb.expert_disk[row].tolist()
-        room = min(share, host_cache.capacity_bytes - host_cache.used_bytes)
-        for e in prefill_keeps(picks[row].tolist(), nbytes, room):
+        for e in prefill_keeps(picks[row].tolist(), nbytes, host_cache.prefill_room(len(served))):
             host_cache.preload((int(tb.layers[row]), e), nbytes[e])
 
 

@@ -107,8 +107,7 @@ class HostCache(PagedCache):
         picks = [0] * len(lay.nbytes)
         for e in slots:
             picks[e] += 1
-        room = min(self.capacity_bytes // len(self._layers), self.capacity_bytes - self.policy.used_bytes)
-        return frozenset(prefill_keeps(picks, lay.nbytes, room))
+        return frozenset(prefill_keeps(picks, lay.nbytes, self.policy.prefill_room(len(self._layers))))
 
     def preload(self, layer: int, ids) -> Decision:
         """Those of `ids` (ascending) admitted into free pages, as a Decision with no hit: the read plan reads them

@@ -170,7 +170,7 @@ def plan_step(rt: "RunState", state: ExpertsLike, selected: Selected, through_ca
     if hc is not None and rt.host_cache_step:
         hd = hc.decide(layer, off_device)
     elif hc is not None and not rt.decode_step:
-        kept = keeps if keeps is not None else prefill_kept(rt, state, selected)
+        kept = keeps if keeps is not None else hc.prefill_keeps(layer, selected.slots)
         hd = hc.preload(layer, [e for e in ids if e in kept])
     else:
         hd = None
