@@ -93,6 +93,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     """
     from ..run.auditor import audit
     from ..run.compute import ExpertsCompute, ExpertsMode, resolve_experts
+    from ..run.decode_attention import use_decode_attention
     from ..run.dense_kernel import kernel_linears
     from ..run.experts import is_experts_module
     from ..run.grouped import check_kernels
@@ -152,6 +153,7 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
         model = build_meta_model(config, storage_dtype, device="cpu")
     if mode is ExpertsMode.FUSED:   # the dense Linears' decode calls by the same kernels (dense_kernel.py)
         kernel_linears(model, lambda name, module: is_experts_module(module))
+        use_decode_attention(model)  # a decode step's SDPA as a product per kv head (decode_attention.py)
     model.eval()
     inv = from_checkpoint(folder, dtype=dtype, model=model, config=config)
     if plan is None:

@@ -28,6 +28,7 @@ from typing import AsyncIterator
 
 from .protocol import ApiError, TextRequest
 from .sampling import Sampler, install
+from ..run.decode_attention import plain_attention
 from ..run.runtime import runtime_of
 from ..run.transformers_compat import drop_result_handler
 
@@ -123,6 +124,7 @@ class Engine:
                                       max_batch_tokens=max(256, limits.max_concurrency),
                                       max_requests_per_batch=limits.max_concurrency, allow_block_sharing=False,
                                       use_cuda_graph=False, max_queue_size=0)
+        plain_attention(model)   # continuous batching accepts only its own attention implementations
         self.manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         device = runtime_of(model).device
         if model.device != device:   # a disk-tier first parameter (its placeholder is meta)

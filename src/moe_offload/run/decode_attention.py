@@ -1,0 +1,96 @@
+"""A decode step's attention on a CPU, as a matrix product per key-value head instead of torch's flash kernel.
+
+With the CPU kernels (`--experts fused`, the CLI's default on a CPU) the expert and dense reads of a decode step
+run at memory speed, and what is left shows: torch's `scaled_dot_product_attention` on a CPU sends a one-token
+query down its flash-attention kernel, whose fixed cost is that of a prompt's block: at Qwen3-30B-A3B's attention
+(32 query heads over 4 key-value heads of 128, ~100 cached tokens, bf16) 620 us a layer at one thread and 340 at
+two on the 2-core EPYC, where the same arithmetic as two matrix products takes 80 (benchmarks: the released
+disk bench's resident step; docs/results.md). With 48 layers that is 26 ms a token at one thread.
+
+So a model loaded with the fused experts whose attention is torch's SDPA (transformers' "sdpa", the default) is
+set to the attention function registered here (transformers' AttentionInterface, its documented extension
+point; the masks are SDPA's, registered beside it). A call with one query position on a CPU computes, per
+key-value head, the group of query heads that share it at once, with no copy of the keys and values per query
+head, in the arithmetic of transformers' eager attention (its reference): scores in the model's dtype, scaled,
+masked, softmax in float32 rounded back, times the values. Every other call (a prompt, an accelerator, dropout,
+softcap, attention sinks) is SDPA's, unchanged. Resident and offloaded runs of one model take the same function,
+so they still agree bit for bit; against SDPA a decode step agrees within rounding.
+
+Continuous batching (serve) accepts only its own implementations: serve sets such a model back to "sdpa" first
+(`plain_attention`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+
+DECODE_ATTENTION = "moe_offload_decode"
+_DELEGATED = ("softcap", "s_aux", "sinks", "position_bias")   # options only SDPA (or eager) knows
+
+
+def decode_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                             scaling: float | None = None, is_causal: bool | None = None, *, isa=None, **kwargs):
+    """transformers' attention-function signature: query [B, H, Q, D], key / value [B, KV, N, D] ->
+    ([B, Q, H, D], None). `isa`: the kernels' path, resolved once at registration (opaque to torch.compile)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from ..kernels import FLOAT_DTYPES
+
+    b, heads, q, d = query.shape
+    kv_heads, n, dv = key.shape[1], key.shape[2], value.shape[-1]   # dv: MLA's values are narrower than its keys
+    if (q != 1 or query.device.type != "cpu" or dropout or heads % kv_heads or kwargs.get("output_attentions")
+            or any(kwargs.get(k) is not None for k in _DELEGATED)
+            or key.shape[-1] != d or value.shape[:3] != key.shape[:3]
+            or query.dtype not in FLOAT_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype
+            or (attention_mask is not None and attention_mask.shape[-1] != n)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    from ..kernels import expert_gemv
+
+    scale = scaling if scaling is not None else d ** -0.5
+    keys = key.contiguous().view(b * kv_heads, n, d)                     # a stack of B x KV [N, D] matrices
+    values = value.contiguous().view(b * kv_heads, n, dv)
+    # query row r = (sequence, head) reads the stack's matrix of its sequence's kv head
+    ids = (torch.arange(b).repeat_interleave(heads) * kv_heads
+           + torch.arange(heads).div(heads // kv_heads, rounding_mode="floor").repeat(b))
+    scores = expert_gemv(query.reshape(b * heads, d), keys, ids, isa=isa).view(b, heads, n) * scale
+    if attention_mask is not None:                                       # [B or 1, 1, 1, N]: SDPA's mask
+        mask = attention_mask.reshape(attention_mask.shape[0], 1, n)
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1).view(b * heads, n)
+    out = expert_gemv(probs, values, ids, transposed=True, isa=isa)      # [B x H, DV] float32
+    return out.to(query.dtype).view(b, 1, heads, dv), None
+
+
+def register_decode_attention() -> None:
+    """Register the function and SDPA's masks under DECODE_ATTENTION (idempotent)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: F401 (present)
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from ..kernels import best_isa
+
+    if DECODE_ATTENTION not in ALL_ATTENTION_FUNCTIONS:
+        ALL_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, functools.partial(decode_attention_forward,
+                                                                             isa=best_isa()))
+    if DECODE_ATTENTION not in ALL_MASK_ATTENTION_FUNCTIONS:
+        ALL_MASK_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, sdpa_mask)
+
+
+def use_decode_attention(model: nn.Module) -> bool:
+    """Set a model whose attention is SDPA to DECODE_ATTENTION; returns whether it was set."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    register_decode_attention()
+    model.set_attn_implementation(DECODE_ATTENTION)
+    return model.config._attn_implementation == DECODE_ATTENTION
+
+
+def plain_attention(model: nn.Module) -> None:
+    """Back to SDPA (for continuous batching, which accepts only its own implementations)."""
+    if getattr(model.config, "_attn_implementation", None) == DECODE_ATTENTION:
+        model.set_attn_implementation("sdpa")
