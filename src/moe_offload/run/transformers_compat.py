@@ -5,6 +5,9 @@ The package declares `transformers>=5.0,<6` (pyproject.toml). What it relies on 
 
 - the experts registry (`transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS`, the 5.x experts interface: run/experts.py
   registers through it) and `set_experts_implementation`;
+- the attention and mask registries (`AttentionInterface`, `AttentionMaskInterface`: run/decode_attention.py
+  registers its decode attention with SDPA's mask through them) and `set_attn_implementation`, and that continuous
+  batching refuses any attention implementation but its own (serve sets SDPA back);
 - `CompileConfig._compile_all_devices`: generate compiles its decode step only on accelerators unless asked;
 - continuous batching's per-request logits processors (`ContinuousBatchingLogitsProcessor`, the manager's
   `logit_processor` list and its `tensors_required` / `do_processing` counters) for serve's sampler;
