@@ -30,6 +30,8 @@ import functools
 import torch
 import torch.nn as nn
 
+from ..kernels import FLOAT_DTYPES, best_isa, expert_gemv
+
 DECODE_ATTENTION = "moe_offload_decode"
 _DELEGATED = ("softcap", "s_aux", "sinks", "position_bias")   # options only SDPA (or eager) knows
 
@@ -39,10 +41,6 @@ def decode_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
                              scaling: float | None = None, is_causal: bool | None = None, *, isa=None, **kwargs):
     """transformers' attention-function signature: query [B, H, Q, D], key / value [B, KV, N, D] ->
     ([B, Q, H, D], None). `isa`: the kernels' path, resolved once at registration (opaque to torch.compile)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from ..kernels import FLOAT_DTYPES
-
     b, heads, q, d = query.shape
     kv_heads, n, dv = key.shape[1], key.shape[2], value.shape[-1]   # dv: MLA's values are narrower than its keys
     if (q != 1 or query.device.type != "cpu" or dropout or heads % kv_heads or kwargs.get("output_attentions")
@@ -50,16 +48,14 @@ def decode_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
             or key.shape[-1] != d or value.shape[:3] != key.shape[:3]
             or query.dtype not in FLOAT_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype
             or (attention_mask is not None and attention_mask.shape[-1] != n)):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    from ..kernels import expert_gemv
-
     scale = scaling if scaling is not None else d ** -0.5
     keys = key.contiguous().view(b * kv_heads, n, d)                     # a stack of B x KV [N, D] matrices
     values = value.contiguous().view(b * kv_heads, n, dv)
-    # query row r = (sequence, head) reads the stack's matrix of its sequence's kv head
-    ids = (torch.arange(b).repeat_interleave(heads) * kv_heads
-           + torch.arange(heads).div(heads // kv_heads, rounding_mode="floor").repeat(b))
+    ids = _kv_rows(b, heads, kv_heads)
     scores = expert_gemv(query.reshape(b * heads, d), keys, ids, isa=isa).view(b, heads, n) * scale
     if attention_mask is not None:                                       # [B or 1, 1, 1, N]: SDPA's mask
         mask = attention_mask.reshape(attention_mask.shape[0], 1, n)
@@ -69,13 +65,17 @@ def decode_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     return out.to(query.dtype).view(b, 1, heads, dv), None
 
 
+@functools.lru_cache(maxsize=64)
+def _kv_rows(b: int, heads: int, kv_heads: int) -> torch.Tensor:
+    """int64 [B x H]: query row (sequence, head) -> its stack row, the matrix of its sequence's kv head."""
+    return (torch.arange(b).repeat_interleave(heads) * kv_heads
+            + torch.arange(heads).div(heads // kv_heads, rounding_mode="floor").repeat(b))
+
+
 def register_decode_attention() -> None:
     """Register the function and SDPA's masks under DECODE_ATTENTION (idempotent)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: F401 (present)
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    from ..kernels import best_isa
 
     if DECODE_ATTENTION not in ALL_ATTENTION_FUNCTIONS:
         ALL_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, functools.partial(decode_attention_forward,
