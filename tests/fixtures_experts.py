@@ -3,17 +3,38 @@ its logits, and the offload ways every path must be bit-identical under."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from fixtures_models import load, prompt_ids
 
 import moe_offload as mo
-from moe_offload.planning.placement import GiB
+from moe_offload.planning.placement import GiB, Tier
 from moe_offload.run.runtime import runtime_of
 from moe_offload.run.experts import is_experts_module
 from moe_offload.tiny.make import make_tiny
 
 NEW = 6
+
+
+def experts_on_disk(path):
+    """A zero-budget plan with every routed-expert tensor on the disk tier."""
+    p0 = mo.plan(path, offload_gb=0)
+    return dataclasses.replace(p0, tensors=tuple(dataclasses.replace(t, tier=Tier.DISK.value)
+                                                 if t.role == "routed_expert" else t for t in p0.tensors))
+
+
+def resident_and_on_disk(path, whole_gate_up: bool):
+    """Routed tensors split: experts 1 and 4 on the disk tier, the rest resident; `whole_gate_up`: gate_up_proj
+    wholly resident instead (a layer of the released benchmark's plan: one tensor resident, the other split)."""
+    p0 = mo.plan(path, offload_gb=0)
+
+    def place(t):
+        if t.role != "routed_expert" or (whole_gate_up and t.name.endswith("gate_up_proj")):
+            return t
+        return dataclasses.replace(t, tier=Tier.DISK.value, host_experts=2, host_expert_ids=(1, 4))
+    return dataclasses.replace(p0, tensors=tuple(place(t) for t in p0.tensors))
 
 
 def experts_module(model):

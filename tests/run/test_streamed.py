@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import moe_offload as mo
-from fixtures_experts import SIZES, generate_new, resident_maker
+from fixtures_experts import SIZES, experts_on_disk, generate_new, resident_and_on_disk, resident_maker
 from fixtures_models import load, prompt_ids
 from moe_offload.errors import CheckpointError
 from moe_offload.planning.placement import Tier
@@ -54,13 +54,6 @@ def folder(tmp_path_factory):
 def resident(folder):
     """threads -> the references made at that thread count (torch's dense kernels block by the thread count)."""
     return {t: resident_maker(folder, "fused") for t in (1, 2)}
-
-
-def experts_on_disk(path):
-    """A zero-budget plan with every routed-expert tensor on the disk tier."""
-    p0 = mo.plan(path, offload_gb=0)
-    return dataclasses.replace(p0, tensors=tuple(dataclasses.replace(t, tier=Tier.DISK.value)
-                                                 if t.role == "routed_expert" else t for t in p0.tensors))
 
 
 @pytest.fixture
@@ -104,18 +97,6 @@ def test_a_streamed_generation_is_bitwise_the_resident_fused(folder, resident, s
     assert len(steps) == (seq.shape[1] - ids.shape[1] - 1) * layers    # every decode step's MoE layers streamed
     assert torch.equal(seq, want_seq)
     assert torch.equal(logits, want_logits), f"max |diff| {(logits.float() - want_logits.float()).abs().max()}"
-
-
-def resident_and_on_disk(path, whole_gate_up: bool):
-    """Routed tensors split: experts 1 and 4 on the disk tier, the rest resident; `whole_gate_up`: gate_up_proj
-    wholly resident instead (a layer of the released benchmark's plan: one tensor resident, the other split)."""
-    p0 = mo.plan(path, offload_gb=0)
-
-    def place(t):
-        if t.role != "routed_expert" or (whole_gate_up and t.name.endswith("gate_up_proj")):
-            return t
-        return dataclasses.replace(t, tier=Tier.DISK.value, host_experts=2, host_expert_ids=(1, 4))
-    return dataclasses.replace(p0, tensors=tuple(place(t) for t in p0.tensors))
 
 
 @pytest.mark.exact

@@ -43,9 +43,12 @@ def streams(state, fused: bool, cached: bool) -> bool:
         and rt.disk is not None
 
 
+@torch.compiler.disable
 def streamed_step(state, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The experts module's output [T, H], its selected experts computed as their rows land."""
+    """The experts module's output [T, H], its selected experts computed as their rows land. Data-dependent
+    (which experts, where their rows lie, reader threads): it runs eagerly, an edge of a compiled decode step
+    (compiled.py), as the gather does."""
     rt = state.runtime
     selected, _ = Selected.of(top_k_index)
     plan = plan_step(rt, state, selected, False)
