@@ -6,6 +6,7 @@
   several sequences and a padding mask, and with MLA's narrower values; it is the same on every kernel path
   (the portable one against the best this CPU runs, bit for bit);
 - every other call (a prompt's, one with options only SDPA knows) is SDPA's own, bit for bit;
+- traced by torch.compile it agrees with the eager call, with no dynamo warning about its lru_cache;
 - a fused model still generates the plain transformers model's tokens.
 """
 
@@ -86,6 +87,26 @@ def test_every_kernel_path_computes_the_same_bits():
     q, k, v = qkv(b=2, n=300)
     outs = [decode_attention_forward(Attn(4), q, k, v, None, isa=isa)[0] for isa in {Isa.PORTABLE, best_isa()}]
     assert all(torch.equal(outs[0], o) for o in outs)
+
+
+def test_compiled_call_makes_its_rows_in_the_graph_without_dynamos_warning(monkeypatch):
+    """Traced by torch.compile (a `--compile` decode step), the call agrees with the eager one and its kv-head rows
+    are made in the graph, not through the lru_cache dynamo warns about tracing around."""
+    import warnings
+
+    import torch._dynamo.utils as dynamo_utils
+
+    monkeypatch.setattr(dynamo_utils, "warn_once_cache", set(), raising=False)   # dynamo warns once a process
+    q, k, v = qkv(b=2, dtype=torch.float32)
+    isa = best_isa()
+    compiled = torch.compile(lambda q, k, v: decode_attention_forward(Attn(4), q, k, v, None, isa=isa)[0],
+                             fullgraph=True, dynamic=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = compiled(q, k, v)
+    assert not [w for w in caught if "lru_cache" in str(w.message)]
+    torch.testing.assert_close(out, decode_attention_forward(Attn(4), q, k, v, None, isa=isa)[0], atol=1e-6,
+                               rtol=1e-6)
 
 
 @pytest.mark.parametrize("case", ("prompt", "position_bias"))

@@ -55,7 +55,9 @@ def decode_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     scale = scaling if scaling is not None else d ** -0.5
     keys = key.contiguous().view(b * kv_heads, n, d)                     # a stack of B x KV [N, D] matrices
     values = value.contiguous().view(b * kv_heads, n, dv)
-    ids = _kv_rows(b, heads, kv_heads)
+    # Inside a compiled step the rows are made in the graph (fixed shapes: once per compile), not through the
+    # cache, which dynamo would trace around with a warning.
+    ids = (_kv_rows.__wrapped__ if torch.compiler.is_compiling() else _kv_rows)(b, heads, kv_heads)
     scores = expert_gemv(query.reshape(b * heads, d), keys, ids, isa=isa).view(b, heads, n) * scale
     if attention_mask is not None:                                       # [B or 1, 1, 1, N]: SDPA's mask
         mask = attention_mask.reshape(attention_mask.shape[0], 1, n)
