@@ -1,5 +1,6 @@
 """What the tests of the experts' compute paths share (run/test_grouped.py, run/test_fused.py): a generation with
-its logits, and the offload ways every path must be bit-identical under."""
+its logits, and the offload ways every path must be bit-identical under; the disk-tier test plans
+(run/test_disk_tier.py, run/test_streamed.py, run/test_compiled.py)."""
 
 from __future__ import annotations
 
@@ -18,11 +19,16 @@ from moe_offload.tiny.make import make_tiny
 NEW = 6
 
 
+def disk_plan(folder, select):
+    """A zero-budget plan of `folder` with every tensor `select(t)` accepts on the disk tier."""
+    p0 = mo.plan(folder, offload_gb=0)
+    return dataclasses.replace(p0, tensors=tuple(dataclasses.replace(t, tier=Tier.DISK.value) if select(t) else t
+                                                 for t in p0.tensors))
+
+
 def experts_on_disk(path):
     """A zero-budget plan with every routed-expert tensor on the disk tier."""
-    p0 = mo.plan(path, offload_gb=0)
-    return dataclasses.replace(p0, tensors=tuple(dataclasses.replace(t, tier=Tier.DISK.value)
-                                                 if t.role == "routed_expert" else t for t in p0.tensors))
+    return disk_plan(path, lambda t: t.role == "routed_expert")
 
 
 def resident_and_on_disk(path, whole_gate_up: bool):

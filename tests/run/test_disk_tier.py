@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import moe_offload as mo
+from fixtures_experts import disk_plan, resident_and_on_disk
 from fixtures_models import BACKENDS, SIZES, load, prompt_ids, reference_model, replay_own_trace, run
 from moe_offload.errors import CheckpointError
 from moe_offload.planning.placement import Tier
@@ -35,13 +36,6 @@ from moe_offload.tiny.make import make_tiny
 pytestmark = pytest.mark.exact
 
 FAMILIES = ("qwen3_moe", "gpt_oss", "deepseek_v3", "mixtral")
-
-
-def disk_plan(folder, select):
-    """A zero-budget plan of `folder` with every tensor `select(t)` accepts on the disk tier."""
-    p0 = mo.plan(folder, offload_gb=0)
-    return dataclasses.replace(p0, tensors=tuple(dataclasses.replace(t, tier=Tier.DISK.value) if select(t) else t
-                                                 for t in p0.tensors))
 
 
 def _sparse(t) -> bool:
@@ -84,11 +78,7 @@ def test_disk_generation_equals_plain_model(folders, references, family, backend
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_expert_subset_on_disk(folders, references, backend):
     """Experts 1 and 4 of every routed tensor on disk, the others resident (a disk-tier split)."""
-    def split(t):
-        return dataclasses.replace(t, tier=Tier.DISK.value, host_experts=2, host_expert_ids=(1, 4))
-
-    p0 = mo.plan(folders["qwen3_moe"], offload_gb=0)
-    plan = dataclasses.replace(p0, tensors=tuple(split(t) if t.role == "routed_expert" else t for t in p0.tensors))
+    plan = resident_and_on_disk(folders["qwen3_moe"], whole_gate_up=False)
     model, plan = load(folders["qwen3_moe"], plan=plan, backend=backend)
     assert mo.audit(model, plan) == []
     got = run(model, prompt_ids(folders["qwen3_moe"]))

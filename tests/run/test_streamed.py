@@ -15,7 +15,6 @@ Models: make_tiny, 2 layers, hidden 64, 8 experts top-2 (top-4 where a step need
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import time
@@ -24,11 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-import moe_offload as mo
 from fixtures_experts import SIZES, experts_on_disk, generate_new, resident_and_on_disk, resident_maker
 from fixtures_models import load, prompt_ids
 from moe_offload.errors import CheckpointError
-from moe_offload.planning.placement import Tier
 from moe_offload.run import experts as experts_py
 from moe_offload.run import streamed
 from moe_offload.run.host_cache import HostCache
