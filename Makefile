@@ -60,6 +60,7 @@ bench: setup model engines
 	$(BIN)/python benchmarks/cache_bench.py
 	$(BIN)/python benchmarks/disk_bench.py
 	$(BIN)/python benchmarks/kernel_bench.py
+	$(BIN)/python benchmarks/prefetch_bench.py
 	$(BIN)/python benchmarks/step_bench.py
 	$(BIN)/python benchmarks/released_bench.py
 	$(BIN)/python benchmarks/host_compute_bench.py

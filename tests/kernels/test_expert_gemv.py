@@ -7,6 +7,7 @@
   experts lying at pages of a larger arena (a stack whose experts are stride(0) apart, rows overlapping);
 - the values are the products of the stored weights, within float32 rounding of a float64 reference (FP8 and
   MXFP4 against formats/quant_codecs' dequantization);
+- the prefetch distances (this CPU's default or a call's own) change no bit, and the default follows the vendor;
 - bad arguments are refused with what is wrong.
 """
 
@@ -16,7 +17,10 @@ import pytest
 import torch
 
 from moe_offload.formats.quant_codecs import dequantize_fp8, dequantize_mxfp4, quantize_fp8, quantize_mxfp4
-from moe_offload.kernels import Fp8Stack, Isa, Mxfp4Stack, best_isa, expert_gemv, fp8_row_blocks
+from pathlib import Path
+
+from moe_offload.kernels import (Fp8Stack, Isa, Mxfp4Stack, Prefetch, best_isa, expert_gemv, fp8_row_blocks,
+                                prefetch_distances)
 
 pytestmark = pytest.mark.exact
 
@@ -130,6 +134,38 @@ def test_bits_do_not_depend_on_threads_alignment_or_company():
         arena[at * page:at * page + O * K].copy_(w[e].reshape(-1))
     pages = arena.as_strided(((arena.numel() - O * K) // page + 1, O, K), (page, K, 1))
     assert torch.equal(expert_gemv(x, pages, torch.tensor([starts[e] for e in ids.tolist()])), one)
+
+
+def test_prefetch_distances_change_no_bit():
+    # a row of 4133 bf16 (8 KiB, past the default distances) and short rows; every stored format, every path
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(len(IDS), 4133, generator=g)
+    ids = _ids(4)
+    w = torch.randn(4, 40, 4133, generator=g)
+    fp8 = Fp8Stack(*quantize_fp8(w[:, :, :4096], (128, 128)), fp8_row_blocks(40, 128), 128)
+    mx = Mxfp4Stack(*quantize_mxfp4(w[:, :, :4096]))
+    cases = [(w.to(torch.bfloat16), x), (w, x), (w[:, :, :70].to(torch.float16), x[:, :70]),
+             (fp8, x[:, :4096]), (mx, x[:, :4096])]
+    for stack, xs in cases:
+        default = _all_paths(xs, stack, ids)
+        for pf in (Prefetch(0, 0), Prefetch(512, 0), Prefetch(0, 2048), Prefetch(512, 2048), Prefetch(4096, 65536)):
+            assert torch.equal(_all_paths(xs, stack, ids, prefetch=pf), default), pf
+
+
+def test_prefetch_default_follows_the_vendor():
+    vendor = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("vendor_id")), "")
+    amd = vendor == "AuthenticAMD"
+    assert prefetch_distances() == (Prefetch(512, 2048) if amd else Prefetch(1024, 4096))
+
+
+def test_bad_prefetch_distances_are_refused():
+    for l1, l2 in ((-1, 0), (0, 65537), (512.0, 0)):
+        with pytest.raises(ValueError, match="a distance is 0 \\(none\\) to 65536 bytes ahead"):
+            Prefetch(l1, l2)
+    w, x, ids = torch.randn(2, 8, 32), torch.randn(1, 32), torch.tensor([1])
+    with pytest.raises(RuntimeError, match="prefetch distances are -1 .* or 0..65536 bytes, not 70000 and 0"):
+        torch.ops.moe_offload.expert_gemv(x, w, ids, 0, None, None, 0, False, int(best_isa()), 70000, 0)
 
 
 def test_second_kernel_path_setting_caps_the_instruction_set(monkeypatch):

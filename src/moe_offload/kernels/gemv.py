@@ -31,6 +31,8 @@ class Isa(enum.IntEnum):
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # the float stacks the kernel reads as they lie
 
+MAX_PREFETCH = 65536   # bytes; the source's MAX_PREFETCH
+
 _ATEN_CAP = {"default": Isa.PORTABLE, "avx2": Isa.AVX2, "avx512": Isa.AVX512}
 
 
@@ -68,10 +70,31 @@ def fp8_row_blocks(rows: int, block_rows: int, parts: int = 1) -> torch.Tensor:
     return ((o // part_rows) * per_part + (o % part_rows) // block_rows).to(torch.int32)
 
 
+@dataclass(frozen=True)
+class Prefetch:
+    """How far ahead of the read position the kernel asks for a row's lines, in bytes (0: no request): `l1` into
+    L1, `l2` into L2. No arithmetic changes with it; prefetch_distances() is what a call uses by default."""
+    l1: int
+    l2: int
+
+    def __post_init__(self):
+        for level, ahead in (("l1", self.l1), ("l2", self.l2)):
+            if not (isinstance(ahead, int) and 0 <= ahead <= MAX_PREFETCH):
+                raise ValueError(f"Prefetch.{level} is {ahead!r}: a distance is 0 (none) to {MAX_PREFETCH} bytes ahead")
+
+
+def prefetch_distances() -> Prefetch:
+    """This CPU's default prefetch distances (AMD 512 / 2048, others 1024 / 4096; the source's header says why)."""
+    kernels()
+    l1, l2 = torch.ops.moe_offload.prefetch_distances()
+    return Prefetch(int(l1), int(l2))
+
+
 def expert_gemv(x: torch.Tensor, stack, ids: torch.Tensor, *, transposed: bool = False,
-                isa: Isa | None = None) -> torch.Tensor:
+                isa: Isa | None = None, prefetch: Prefetch | None = None) -> torch.Tensor:
     """float32 [S, O]: x [S, K] (any float dtype) through expert ids[s] of `stack` for each s. Inside a compiled
-    step give `isa` (best_isa() once, outside): the query is opaque to torch.compile."""
+    step give `isa` (best_isa() once, outside): the query is opaque to torch.compile. `prefetch` overrides this
+    CPU's distances (benchmarks compare them in one process)."""
     if isa is None:
         isa = best_isa()
     elif not torch.compiler.is_compiling():
@@ -79,9 +102,10 @@ def expert_gemv(x: torch.Tensor, stack, ids: torch.Tensor, *, transposed: bool =
     x = x.float()
     ids = ids.reshape(-1).long()
     op = torch.ops.moe_offload.expert_gemv
+    pf = (-1, -1) if prefetch is None else (prefetch.l1, prefetch.l2)
     if isinstance(stack, Fp8Stack):
         values = stack.values.view(torch.uint8) if stack.values.dtype != torch.uint8 else stack.values
-        return op(x, values, ids, 1, stack.scales.float(), stack.row_block, stack.block_k, False, int(isa))
+        return op(x, values, ids, 1, stack.scales.float(), stack.row_block, stack.block_k, False, int(isa), *pf)
     if isinstance(stack, Mxfp4Stack):
-        return op(x, stack.blocks, ids, 2, stack.scales, None, 0, False, int(isa))
-    return op(x, stack, ids, 0, None, None, 0, transposed, int(isa))
+        return op(x, stack.blocks, ids, 2, stack.scales, None, 0, False, int(isa), *pf)
+    return op(x, stack, ids, 0, None, None, 0, transposed, int(isa), *pf)

@@ -54,26 +54,31 @@ constexpr int64_t ROW_TILE = 16;   // output rows per work item (rows layout)
 #endif
 constexpr int64_t COL_TILE = COLT;   // output columns per work item (transposed): rows read 8 KiB at a time
 constexpr int64_t LANES = 16;
-#ifndef PF_BYTES
-#define PF_BYTES 1024
-#endif
-// Rows layout: the line PREFETCH_AHEAD bytes past the read position is asked into L1, and the one PREFETCH_L2 bytes
-// past it into L2, at least once per 64 bytes read (per 32 in the FP8 and MXFP4 loops). A row of a released layer is
-// one 4 KiB page (2048 bf16), and the hardware's stream prefetcher starts afresh on each page: fetched ahead, the next
-// row's lines are on their way before it begins, and the L2 request a row ahead keeps more misses in flight than one
-// core's stream prefetcher does (Qwen3-30B-A3B's lm_head shape, bf16, Xeon SPR, 2 MiB pages: no prefetch 12.2 GB/s at
-// one thread; L1 at 1024 15.2; + L2 at 4096 18.2 (36 GB/s at two threads); 4 KiB pages 10.3 -> 12.1; L1 distances
-// 512..8192 and L2 2048..16384 tried, beyond 6144 the L2 gain goes; interleaving 2, 4 or 8 rows was slower than
-// either). A prefetch changes no arithmetic.
-constexpr int64_t PREFETCH_AHEAD = PF_BYTES;
-#ifndef PF_L2_BYTES
-#define PF_L2_BYTES 4096
-#endif
-constexpr int64_t PREFETCH_L2 = PF_L2_BYTES;
+// Rows layout: the line `l1` bytes past the read position is asked into L1, and the one `l2` bytes past it into
+// L2, at least once per 64 bytes read (per 32 in the FP8 and MXFP4 loops). A row of a released layer is one 4 KiB
+// page (2048 bf16), and the hardware's stream prefetcher starts afresh on each page: fetched ahead, the next row's
+// lines are on their way before it begins, and the L2 request ahead keeps more misses in flight than one core's
+// stream prefetcher does. The distances that pay follow the core (Qwen3-30B-A3B's lm_head shape, bf16, 2 MiB pages,
+// one thread): Xeon SPR: no prefetch 12.2 GB/s; L1 at 1024 15.2; + L2 at 4096 18.2 (36 GB/s at two threads); 4 KiB
+// pages 10.3 -> 12.1; L1 512..8192 and L2 2048..16384 tried, beyond 6144 the L2 gain goes; interleaving 2, 4 or 8
+// rows was slower than either. EPYC (Zen 4), every distance in one process in turn (benchmarks/prefetch_bench.py):
+// 1024 / 4096 17.4 GB/s, 512 / 2048 24.1, no prefetch 21.1, 512 / 4096 and 1024 / 2048 17.9-18.9; at two threads
+// 27.1 against 30.5. So default_prefetch() picks 512 / 2048 on AMD, 1024 / 4096 elsewhere; a call may name its own
+// (expert_gemv's pf_l1, pf_l2). A prefetch changes no arithmetic.
+struct Prefetch {
+  int64_t l1, l2;   // bytes ahead of the read position; 0: no request at that level
+};
 
-inline void prefetch_ahead(const uint8_t* p) {   // p: the bytes being read (a call at least every 64)
-  if constexpr (PREFETCH_AHEAD > 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_AHEAD), _MM_HINT_T0);
-  if constexpr (PREFETCH_L2 > 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_L2), _MM_HINT_T1);
+inline void prefetch_ahead(const uint8_t* p, Prefetch pf) {   // p: the bytes being read (a call at least every 64)
+  if (pf.l1 > 0) _mm_prefetch(reinterpret_cast<const char*>(p + pf.l1), _MM_HINT_T0);
+  if (pf.l2 > 0) _mm_prefetch(reinterpret_cast<const char*>(p + pf.l2), _MM_HINT_T1);
+}
+
+constexpr int64_t MAX_PREFETCH = 65536;
+
+Prefetch default_prefetch() {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd") ? Prefetch{512, 2048} : Prefetch{1024, 4096};
 }
 #ifndef CHAINS
 #define CHAINS 2   // accumulator chains per lane (1, 2 or 4): part of the arithmetic's definition, see above
@@ -97,6 +102,7 @@ struct Job {
   const int64_t* group_start;    // [G + 1] into order
   const int64_t* group_expert;   // [G]
   int64_t tiles;                 // work items per group
+  Prefetch pf;                   // distances ahead of the read position
 };
 
 // ---- the definition's pieces shared by every path ---------------------------------------------------------------
@@ -281,13 +287,13 @@ AVX2_TARGET inline __m256 combine_avx2(const __m256* a) {   // combine_chains, i
 // Chunks [c0, c1) of one row (c1 <= K rounded up to 16) into the chains: chunk n = (c - c0) / 16 to chain n % CHAINS.
 template <int64_t WT>
 AVX2_TARGET inline void chunks_avx2(const uint8_t* row, const float* x, int64_t K, int64_t c0, int64_t c1,
-                                    __m256* lo, __m256* hi) {
+                                    __m256* lo, __m256* hi, Prefetch pf) {
   constexpr int64_t eb = WT == F32 ? 4 : (WT == FP8 ? 1 : 2);
   __m256 wlo, whi;
   int64_t c = c0;
   for (; c + CHAINS * LANES <= c1 && c + CHAINS * LANES <= K; c += CHAINS * LANES)
     for (int h = 0; h < CHAINS; ++h) {
-      if (h == 0) prefetch_ahead(row + c * eb);
+      if (h == 0) prefetch_ahead(row + c * eb, pf);
       load16_avx2(WT, row + (c + h * LANES) * eb, wlo, whi);
       lo[h] = _mm256_fmadd_ps(wlo, _mm256_loadu_ps(x + c + h * LANES), lo[h]);
       hi[h] = _mm256_fmadd_ps(whi, _mm256_loadu_ps(x + c + h * LANES + 8), hi[h]);
@@ -321,7 +327,7 @@ AVX2_TARGET void rows_avx2_t(const Job& j, int64_t e, int64_t o0, int64_t o1, co
           for (int h = 0; h < CHAINS; ++h) {
             const int64_t g = g0 + h;
             if (g >= G) break;
-            if (h == 0) prefetch_ahead(row + 16 * g);
+            if (h == 0) prefetch_ahead(row + 16 * g, j.pf);
             __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * g));
             __m128i blo = _mm_and_si128(b, _mm_set1_epi8(15));
             __m128i bhi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
@@ -339,7 +345,7 @@ AVX2_TARGET void rows_avx2_t(const Job& j, int64_t e, int64_t o0, int64_t o1, co
         for (int64_t b0 = 0, nb = 0; b0 < j.K; b0 += j.bk, ++nb) {
           __m256 klo[CHAINS], khi[CHAINS];
           for (int h = 0; h < CHAINS; ++h) klo[h] = khi[h] = _mm256_setzero_ps();
-          chunks_avx2<FP8>(row, x, j.K, b0, std::min(b0 + j.bk, Kr), klo, khi);
+          chunks_avx2<FP8>(row, x, j.K, b0, std::min(b0 + j.bk, Kr), klo, khi, j.pf);
           const __m256 s = _mm256_set1_ps(sc[nb] * 256.0f);
           lo[0] = _mm256_fmadd_ps(combine_avx2(klo), s, lo[0]);
           hi[0] = _mm256_fmadd_ps(combine_avx2(khi), s, hi[0]);
@@ -347,7 +353,7 @@ AVX2_TARGET void rows_avx2_t(const Job& j, int64_t e, int64_t o0, int64_t o1, co
         j.out[toks[t] * j.O + o] = reduce_avx2(lo[0], hi[0]);
         continue;
       } else {
-        chunks_avx2<WT>(row, x, j.K, 0, Kr, lo, hi);
+        chunks_avx2<WT>(row, x, j.K, 0, Kr, lo, hi, j.pf);
       }
       j.out[toks[t] * j.O + o] = reduce_avx2(combine_avx2(lo), combine_avx2(hi));
     }
@@ -430,14 +436,14 @@ AVX512_TARGET inline __m512 combine_avx512(const __m512* a) {   // combine_chain
 // four rows) measured 1.7x slower here than one row's chains.
 template <int64_t WT>
 AVX512_TARGET inline void chunks_avx512(const uint8_t* row, const float* x, int64_t K, int64_t c0, int64_t c1,
-                                        __m512* acc) {
+                                        __m512* acc, Prefetch pf) {
   constexpr int64_t eb = WT == F32 ? 4 : (WT == FP8 ? 1 : 2);
   int64_t c = c0;
   if constexpr (WT == FP8 && CHAINS == 2) {
     // 32 e4m3 values decoded at once (chunks n, n + 1 -> chains 0, 1): half the instructions of two load16s
     const __m512i m = _mm512_set1_epi16(0x4000);
     for (; c + 2 * LANES <= c1 && c + 2 * LANES <= K; c += 2 * LANES) {
-      prefetch_ahead(row + c);
+      prefetch_ahead(row + c, pf);
       __m512i v = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c))), 7);
       v = _mm512_add_epi16(v, _mm512_and_si512(v, m));   // the sign, shifted to bit 14, carried on to bit 15
       acc[0] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(v)), _mm512_loadu_ps(x + c), acc[0]);
@@ -445,7 +451,7 @@ AVX512_TARGET inline void chunks_avx512(const uint8_t* row, const float* x, int6
     }
   }
   for (; c + CHAINS * LANES <= c1 && c + CHAINS * LANES <= K; c += CHAINS * LANES) {
-    prefetch_ahead(row + c * eb);
+    prefetch_ahead(row + c * eb, pf);
     for (int h = 0; h < CHAINS; ++h)
       acc[h] = _mm512_fmadd_ps(load16_avx512(WT, row + (c + h * LANES) * eb), _mm512_loadu_ps(x + c + h * LANES), acc[h]);
   }
@@ -477,7 +483,7 @@ AVX512_TARGET void rows_avx512_t(const Job& j, int64_t e, int64_t o0, int64_t o1
           for (int h = 0; h < CHAINS; ++h) {
             const int64_t g = g0 + h;
             if (g >= G) break;
-            if (h == 0) prefetch_ahead(row + 16 * g);
+            if (h == 0) prefetch_ahead(row + 16 * g, j.pf);
             const __m512 xe = _mm512_loadu_ps(x + 32 * g), xo = _mm512_loadu_ps(x + 32 * g + 16);
             __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * g)));
             __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(c, _mm512_set1_epi32(15)), fp4);
@@ -490,13 +496,13 @@ AVX512_TARGET void rows_avx512_t(const Job& j, int64_t e, int64_t o0, int64_t o1
         for (int64_t b0 = 0, nb = 0; b0 < j.K; b0 += j.bk, ++nb) {
           __m512 k[CHAINS];
           for (int h = 0; h < CHAINS; ++h) k[h] = _mm512_setzero_ps();
-          chunks_avx512<FP8>(row, x, j.K, b0, std::min(b0 + j.bk, Kr), k);
+          chunks_avx512<FP8>(row, x, j.K, b0, std::min(b0 + j.bk, Kr), k, j.pf);
           acc[0] = _mm512_fmadd_ps(combine_avx512(k), _mm512_set1_ps(sc[nb] * 256.0f), acc[0]);
         }
         j.out[toks[t] * j.O + o] = reduce_avx512(acc[0]);
         continue;
       } else {
-        chunks_avx512<WT>(row, x, j.K, 0, Kr, acc);
+        chunks_avx512<WT>(row, x, j.K, 0, Kr, acc, j.pf);
       }
       j.out[toks[t] * j.O + o] = reduce_avx512(combine_avx512(acc));
     }
@@ -595,10 +601,11 @@ int64_t wtype_of(const at::Tensor& w, int64_t fmt) {
 
 // x: [S, K] float32; w: the stack; ids: [S] int64 expert of each pair; fmt: 0 float (w's dtype), 1 FP8 (w uint8
 // bytes [E, O, K], scales float32 [E, R, C], row_block int32 [O], block_k), 2 MXFP4 (w uint8 [E, O, G, 16],
-// scales uint8 [E, O, G]); transposed: float stacks held [E, K, O]; isa: 0 portable, 1 AVX2, 2 AVX-512.
+// scales uint8 [E, O, G]); transposed: float stacks held [E, K, O]; isa: 0 portable, 1 AVX2, 2 AVX-512;
+// pf_l1, pf_l2: prefetch distances in bytes (0: none), -1: default_prefetch()'s for this CPU.
 at::Tensor expert_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ids, int64_t fmt,
                        const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& row_block,
-                       int64_t block_k, bool transposed, int64_t isa) {
+                       int64_t block_k, bool transposed, int64_t isa, int64_t pf_l1, int64_t pf_l2) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && ids.device().is_cpu(), "expert_gemv: cpu tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "expert_gemv: x must be [S, K] float32");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.size(0) == x.size(0),
@@ -607,6 +614,9 @@ at::Tensor expert_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   // experts start at every page of a cache arena: rows may overlap, they are only read).
   TORCH_CHECK(w.dim() >= 1 && (w.size(0) <= 1 ? w.is_contiguous() : w.stride(0) > 0 && w[0].is_contiguous()),
               "expert_gemv: each expert of the stack must be contiguous");
+  TORCH_CHECK(pf_l1 >= -1 && pf_l1 <= MAX_PREFETCH && pf_l2 >= -1 && pf_l2 <= MAX_PREFETCH,
+              "expert_gemv: prefetch distances are -1 (this CPU's default) or 0..", MAX_PREFETCH, " bytes, not ",
+              pf_l1, " and ", pf_l2);
   const int64_t wtype = wtype_of(w, fmt);
   const int64_t S = x.size(0), E = w.size(0);
   int64_t O, K;
@@ -687,6 +697,8 @@ at::Tensor expert_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   j.group_start = gstart.data();
   j.group_expert = gexpert.data();
   j.tiles = transposed ? (O + COL_TILE - 1) / COL_TILE : (O + ROW_TILE - 1) / ROW_TILE;
+  const Prefetch cpu = default_prefetch();
+  j.pf = Prefetch{pf_l1 < 0 ? cpu.l1 : pf_l1, pf_l2 < 0 ? cpu.l2 : pf_l2};
 
   const int64_t items = groups * j.tiles;
   at::parallel_for(0, items, 1, [&](int64_t b, int64_t e) { run_items(j, isa, b, e); });
@@ -703,10 +715,17 @@ int64_t best_isa() {
   return PORTABLE;
 }
 
+// This CPU's prefetch distances, [l1, l2] bytes.
+std::vector<int64_t> prefetch_distances() {
+  const Prefetch p = default_prefetch();
+  return {p.l1, p.l2};
+}
+
 TORCH_LIBRARY(moe_offload, m) {
   m.def("expert_gemv(Tensor x, Tensor w, Tensor ids, int fmt, Tensor? scales, Tensor? row_block, int block_k, "
-        "bool transposed, int isa) -> Tensor");
+        "bool transposed, int isa, int pf_l1=-1, int pf_l2=-1) -> Tensor");
   m.def("best_isa() -> int", &best_isa);
+  m.def("prefetch_distances() -> int[]", &prefetch_distances);
 }
 
 TORCH_LIBRARY_IMPL(moe_offload, CPU, m) { m.impl("expert_gemv", expert_gemv); }
