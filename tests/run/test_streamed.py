@@ -7,7 +7,7 @@
   of pages, resident rows of split tensors and wholly resident tensors are read in place (not copied), a miss
   the host cache admits is read straight into its pages, and the experts in place are one kernel call per stack
   (and the generation stays bitwise the resident fused one with tensors split or wholly resident);
-- `Deferred` issues its jobs in row order and waits only for the rows asked;
+- `Deferred` issues its jobs in row order, waits only for the rows asked and says which have landed;
 - a checkpoint changed after load is a CheckpointError out of a streamed step, with every read finished.
 
 Models: make_tiny, 2 layers, hidden 64, 8 experts top-2 (top-4 where a step needs several chunks), float32.
@@ -190,9 +190,13 @@ def test_deferred_issues_in_row_order_and_waits_only_for_the_rows_asked():
         start = time.perf_counter()
         d.wait([0, 1])                      # position 2 is still blocked on the gate
         assert time.perf_counter() - start < 5 and order[:2] == [0, 1]
+        assert d.landed([2, 1, 0]) == [1, 0]
         gate.set()
         d.wait([2])
-    assert order == [0, 1, 2]
+    assert order == [0, 1, 2] and d.landed([0, 1, 2]) == [0, 1, 2]
+    queued = Deferred()
+    queued.read(0, lambda: None)
+    assert queued.landed([0, 1]) == [1]     # queued, not started: not landed; nothing asked of 1: nothing to wait
 
     failing = Deferred()
     failing.read(0, lambda: (_ for _ in ()).throw(CheckpointError("changed")))

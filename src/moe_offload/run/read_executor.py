@@ -178,6 +178,7 @@ class Deferred:
     """The row copies of a layer step not waited for by the executor (checkpoint reads, each followed by its host-cache
     admission; host-cache pages): queued per row position (`read`); `start(submit)` issues them in position order on
     the disk tier's threads, `wait(positions)` returns once those rows have landed (a read's error raised there),
+`landed(positions)` says which have without waiting,
     `finish()` waits for every job still running (the buffers are reused by the next step). `placed`: (position,
     tensor) -> (stack, row): a row not copied into the gathered stack, read where it lies (a resident row of a split
     tensor; a host-cache row in one run of pages, a hit or a miss read straight into them) as stack[row]."""
@@ -207,6 +208,11 @@ class Deferred:
         for p in positions:
             for job in self._running.pop(p, ()):
                 job.result()
+
+    def landed(self, positions: Iterable[int]) -> list[int]:
+        """Those of `positions` whose jobs have all finished (not waiting for any): `wait` for them still raises
+        a read's error."""
+        return [p for p in positions if p not in self._queued and all(j.done() for j in self._running.get(p, ()))]
 
     def finish(self) -> None:
         """Every job still running waited for, its error dropped (the caller is raising one already)."""

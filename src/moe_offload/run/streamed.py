@@ -15,7 +15,8 @@ rows are all in place at once, then each of the others as soon as its rows have 
     the experts with nothing queued: their (token, expert) pairs by the CPU kernels, one call per projection and
         stack the rows lie in (the module's parameter, a split tensor's resident stack, the host cache's arena
         seen as a stack of rows starting at every page, the gathered buffer), grouped.pair_outputs
-    each other expert, in the order its rows are read: wait for them; its pairs likewise
+    each other expert, in the order its rows are read: wait for them; its pairs likewise, with those of the experts
+        whose rows have landed meanwhile
     every token's pairs summed in slot order (grouped.sum_pairs)
 
 The kernels compute each pair on its own (a row's dot products do not depend on the call's other pairs) and the
@@ -81,9 +82,11 @@ def streamed_step(state, module, hidden: torch.Tensor, top_k_index: torch.Tensor
         ready = set(range(len(selected.ids))) - set(later)
         if ready:
             compute(ready)
-        for p in later:                                        # the order their rows are read in
-            deferred.wait([p])
-            compute({p})
+        while later:                                           # the order their rows are read in
+            landed = [later[0], *deferred.landed(later[1:])]   # the next, and those already in with it: one call
+            deferred.wait(landed)
+            compute(set(landed))
+            later = [p for p in later if p not in landed]
         return sum_pairs(out, hidden.size(0), k, hidden.dtype)
     finally:
         deferred.finish()
