@@ -178,10 +178,10 @@ class Deferred:
     """The row copies of a layer step not waited for by the executor (checkpoint reads, each followed by its host-cache
     admission; host-cache pages): queued per row position (`read`); `start(submit)` issues them in position order on
     the disk tier's threads, `wait(positions)` returns once those rows have landed (a read's error raised there),
-`landed(positions)` says which have without waiting,
-    `finish()` waits for every job still running (the buffers are reused by the next step). `placed`: (position,
-    tensor) -> (stack, row): a row not copied into the gathered stack, read where it lies (a resident row of a split
-    tensor; a host-cache row in one run of pages, a hit or a miss read straight into them) as stack[row]."""
+    `landed(positions)` says which have without waiting, `finish()` waits for every job still running (the buffers
+    are reused by the next step). `placed`: (position, tensor) -> (stack, row): a row not copied into the gathered
+    stack, read where it lies (a resident row of a split tensor; a host-cache row in one run of pages, a hit or a miss
+    read straight into them) as stack[row]."""
 
     def __init__(self):
         self._queued: dict[int, list[Callable]] = {}
