@@ -90,7 +90,8 @@ def plot(rows: list[dict], default: str, path: Path, title: str) -> None:
     threads = sorted({r["threads"] for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     width = 0.8 / len(threads)
-    for ax, key, what in zip(axes, ("lm_head_gbs", "experts_gbs"), ("lm_head [151936 x 2048]", "8 experts [1536 x 2048]")):
+    panels = (("lm_head_gbs", "lm_head [151936 x 2048]"), ("experts_gbs", "8 experts [1536 x 2048]"))
+    for ax, (key, what) in zip(axes, panels):
         for i, t in enumerate(threads):
             vals = [next(r[key] for r in rows if r["threads"] == t and r["distances"] == n) for n in names]
             ax.bar([j + i * width for j in range(len(names))], vals, width, label=f"{t} thread{'s' * (t > 1)}")
