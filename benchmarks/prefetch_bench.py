@@ -100,7 +100,7 @@ def plot(rows: list[dict], default: str, path: Path, title: str) -> None:
         ax.set_title(what, fontsize=10)
         ax.set_xlabel("prefetch L1 / L2 bytes ahead (* this CPU's default)")
     axes[0].set_ylabel("GB/s read from RAM")
-    axes[0].legend()
+    axes[0].legend(loc="lower left")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -63,7 +63,8 @@ constexpr int64_t LANES = 16;
 // pages 10.3 -> 12.1; L1 512..8192 and L2 2048..16384 tried, beyond 6144 the L2 gain goes; interleaving 2, 4 or 8
 // rows was slower than either. EPYC (Zen 4), every distance in one process in turn (benchmarks/prefetch_bench.py):
 // 1024 / 4096 17.4 GB/s, 512 / 2048 24.1, no prefetch 21.1, 512 / 4096 and 1024 / 2048 17.9-18.9; at two threads
-// 27.1 against 30.5. So default_prefetch() picks 512 / 2048 on AMD, 1024 / 4096 elsewhere; a call may name its own
+// 27.1 against 30.5 (in a faster hour of the VM: 23.0 against 32.3, two threads 48.1 against 67.1; every other
+// distance between). So default_prefetch() picks 512 / 2048 on AMD, 1024 / 4096 elsewhere; a call may name its own
 // (expert_gemv's pf_l1, pf_l2). A prefetch changes no arithmetic.
 struct Prefetch {
   int64_t l1, l2;   // bytes ahead of the read position; 0: no request at that level
