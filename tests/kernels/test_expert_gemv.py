@@ -13,12 +13,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from moe_offload.formats.quant_codecs import dequantize_fp8, dequantize_mxfp4, quantize_fp8, quantize_mxfp4
-from pathlib import Path
-
 from moe_offload.kernels import (Fp8Stack, Isa, Mxfp4Stack, Prefetch, best_isa, expert_gemv, fp8_row_blocks,
                                 prefetch_distances)
 
