@@ -101,7 +101,6 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
     from ..run.host_compute import compute_options, host_compute_for
     from ..storage.process_memory import planned_runtime_bytes, return_freed_buffers
     from ..run.lookahead import SOURCES, Lookahead
-    from ..run.router_kernel import kernel_routers
     from ..storage.mapped import MODES
     from ..errors import AuditError
     from ..run.runtime import BACKENDS, Runtime, backend_named
@@ -154,7 +153,6 @@ def load(model_dir, *, device=None, backend: str | None = None, plan: Plan | str
         model = build_meta_model(config, storage_dtype, device="cpu")
     if mode is ExpertsMode.FUSED:   # the dense Linears' decode calls by the same kernels (dense_kernel.py)
         kernel_linears(model, lambda name, module: is_experts_module(module))
-        kernel_routers(model)        # the routers' logits likewise (router_kernel.py)
         use_decode_attention(model)  # a decode step's SDPA as a product per kv head (decode_attention.py)
     model.eval()
     inv = from_checkpoint(folder, dtype=dtype, model=model, config=config)
