@@ -77,9 +77,12 @@ inline void prefetch_ahead(const uint8_t* p, Prefetch pf) {   // p: the bytes be
 
 constexpr int64_t MAX_PREFETCH = 65536;
 
-Prefetch default_prefetch() {
-  __builtin_cpu_init();
-  return __builtin_cpu_is("amd") ? Prefetch{512, 2048} : Prefetch{1024, 4096};
+Prefetch default_prefetch() {   // asked of the CPU once, not on every call
+  static const Prefetch vendor = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") ? Prefetch{512, 2048} : Prefetch{1024, 4096};
+  }();
+  return vendor;
 }
 #ifndef CHAINS
 #define CHAINS 2   // accumulator chains per lane (1, 2 or 4): part of the arithmetic's definition, see above
