@@ -39,6 +39,7 @@ import torch
 from ..errors import BudgetError
 from ..planning.placement import format_bytes
 from ..routing.expert_cache import prefill_keeps
+from ..storage.clib import copy_bytes
 from .pages import Decision, PagedCache
 
 Key = tuple[int, int]   # (layer, expert)
@@ -123,7 +124,7 @@ class HostCache(PagedCache):
         """out_row (one expert's row of one tensor, contiguous, on the cpu) <- its cached pages."""
         row = out_row.view(-1).view(torch.uint8).view(-1, self.page_bytes)
         for at, first, n in _runs(pages):
-            row[at:at + n].copy_(self.arena[first:first + n])
+            copy_bytes(row[at:at + n], self.arena[first:first + n])
 
     @staticmethod
     def run_start(pages: list[int]) -> int | None:
@@ -145,7 +146,7 @@ class HostCache(PagedCache):
         """An admitted expert's row of one tensor (contiguous, on the cpu) -> its pages."""
         src = row.reshape(-1).view(torch.uint8).view(-1, self.page_bytes)
         for at, first, n in _runs(pages):
-            self.arena[first:first + n].copy_(src[at:at + n])
+            copy_bytes(self.arena[first:first + n], src[at:at + n])
 
 
 def _runs(pages: list[int]) -> list[tuple[int, int, int]]:

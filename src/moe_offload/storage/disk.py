@@ -49,6 +49,7 @@ import torch
 from ..errors import CheckpointError
 from ..formats.safetensors import TensorSpan, parse_header
 from .bounce import DEFAULT_BOUNCE, DIRECT_ALIGN, BouncePool
+from .clib import copy_bytes
 
 __all__ = ["DIRECT_ALIGN", "BouncePool", "SafetensorsReader", "checkpoint_readers"]
 
@@ -325,7 +326,7 @@ class SafetensorsReader:
             while di < len(dests) and pos < win + n and pos < offset + total:
                 d = dests[di]
                 take = min(d.numel() - dpos, win + n - pos)
-                d[dpos:dpos + take].copy_(source[pos - win:pos - win + take])
+                copy_bytes(d[dpos:dpos + take], source[pos - win:pos - win + take])   # no OpenMP team here
                 dpos += take
                 pos += take
                 if dpos == d.numel():
