@@ -46,8 +46,9 @@ class BouncePool:
                 return self._free.pop()
             self._made += 1
         buf = mmap.mmap(-1, self.size)      # anonymous mappings are page aligned
-        # The same bytes as a tensor: copies out of it are torch copies, which release the GIL (a memoryview slice
-        # assignment holds it for the whole memcpy, stalling every other thread's Python meanwhile).
+        # The same bytes as a tensor: copies out of it are the C library's memmove (clib.copy_bytes), which releases
+        # the GIL and starts no OpenMP team on the reader's thread (a memoryview slice assignment holds the GIL for the
+        # whole memcpy, stalling every other thread's Python meanwhile).
         return buf, memoryview(buf), torch.frombuffer(buf, dtype=torch.uint8)
 
     def give(self, item: tuple[mmap.mmap, memoryview, torch.Tensor]) -> None:

@@ -1,5 +1,6 @@
 """The process's C library, where it has one: the few allocator and memory-advice calls torch does not make for us
-(glibc's malloc_trim and mallopt, Linux's madvise), found once per process and shared by their callers."""
+(glibc's malloc_trim and mallopt, Linux's madvise), found once per process and shared by their callers, and the
+memmove the disk tier's reader threads copy with (copy_bytes)."""
 
 from __future__ import annotations
 
