@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_offload.storage import clib
 from moe_offload.storage.clib import copy_bytes
 
 MiB = 1 << 20
@@ -25,6 +26,14 @@ def test_bytes_are_copied_exactly_whatever_the_dtypes():
     copy_bytes(row[1:3], torch.arange(128, dtype=torch.uint8).view(2, 64))       # a contiguous slice of pages
     assert row[0].eq(0).all() and row[3:].eq(0).all() and row[1:3].flatten().tolist() == list(range(128))
     copy_bytes(torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.float32))   # nothing: no call
+
+
+def test_without_a_c_library_torch_copies_the_same_bytes(monkeypatch):
+    monkeypatch.setattr(clib, "_memmove", lambda: None)        # a platform with no C library found
+    src = torch.randn(4, 33, dtype=torch.float16)
+    dst = torch.zeros(4 * 33, dtype=torch.int16)
+    copy_bytes(dst, src)
+    assert torch.equal(dst.view(torch.float16).view(4, 33), src)
 
 
 def test_sizes_layouts_and_devices_that_do_not_fit_are_refused():
