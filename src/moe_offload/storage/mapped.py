@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import mmap
 import os
+import warnings
 
+import torch
+
+from .clib import copy_bytes
 from .disk import SafetensorsReader
 
 MODES = ("direct", "mmap")   # load(disk_read=...): O_DIRECT where the filesystem allows it, or the page cache
@@ -26,6 +30,12 @@ class MappedReader(SafetensorsReader):
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_NORMAL)    # default readahead, as a plain mmap gets
         self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
         self._view = memoryview(self._map)
+        # The map's bytes as a tensor, only ever read: copies out of it are memmoves (clib.copy_bytes) that release
+        # the GIL while they fault pages in from disk (a memoryview slice assignment holds it all the while, stalling
+        # the decode step's Python meanwhile).
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            self._bytes = torch.frombuffer(self._map, dtype=torch.uint8) if len(self._map) else None
 
     @property
     def mechanism(self) -> str:
@@ -39,12 +49,14 @@ class MappedReader(SafetensorsReader):
         if offset + total > min(size, len(self._map)):
             raise self._short(offset, total, max(0, min(size, len(self._map)) - offset))
         for d in dests:
-            d[:] = self._view[pos:pos + len(d)]
+            if len(d):
+                copy_bytes(torch.frombuffer(d, dtype=torch.uint8), self._bytes[pos:pos + len(d)])
             pos += len(d)
         self._count(total)
 
     def close(self) -> None:
         view = getattr(self, "_view", None)
+        self._bytes = None                  # before the map it points into is closed
         if view is not None:
             view.release()
             self._map.close()
