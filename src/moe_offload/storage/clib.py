@@ -31,8 +31,9 @@ def copy_bytes(dst, src) -> None:
 
     For the disk tier's reader threads (storage/disk.py, run/host_cache.py): torch's copy_ of a large tensor
     splits it over OpenMP, and called from a thread outside torch's own pool it starts an OpenMP team of its own,
-    whose threads then spin, waiting for more work, on the cores the decode step's team computes on. Where there is
-    no C library (not Linux / glibc-like), torch's copy_."""
+    whose threads then spin, waiting for more work, on the cores the decode step's team computes on. And for the
+    mapped reader (storage/mapped.py), whose copies fault pages in from disk: a memoryview slice assignment would
+    hold the GIL all the while. Where there is no C library (not Linux / glibc-like), torch's copy_."""
     n = dst.numel() * dst.element_size()
     if n != src.numel() * src.element_size() or not (dst.is_contiguous() and src.is_contiguous()):
         raise ValueError(f"copy_bytes: {n} contiguous bytes into, {src.numel() * src.element_size()} from "
