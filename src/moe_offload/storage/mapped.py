@@ -29,13 +29,12 @@ class MappedReader(SafetensorsReader):
         super().__init__(path, direct=False)
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_NORMAL)    # default readahead, as a plain mmap gets
         self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
-        self._view = memoryview(self._map)
         # The map's bytes as a tensor, only ever read: copies out of it are memmoves (clib.copy_bytes) that release
         # the GIL while they fault pages in from disk (a memoryview slice assignment holds it all the while, stalling
         # the decode step's Python meanwhile).
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            self._bytes = torch.frombuffer(self._map, dtype=torch.uint8) if len(self._map) else None
+            self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
 
     @property
     def mechanism(self) -> str:
@@ -55,10 +54,8 @@ class MappedReader(SafetensorsReader):
         self._count(total)
 
     def close(self) -> None:
-        view = getattr(self, "_view", None)
         self._bytes = None                  # before the map it points into is closed
-        if view is not None:
-            view.release()
+        if getattr(self, "_map", None) is not None:
             self._map.close()
-            self._view = None
+            self._map = None
         super().close()
