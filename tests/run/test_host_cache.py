@@ -13,7 +13,7 @@ What is checked: tokens and logits bit-identical to the same plan without the ho
 backends); a bigger cache reads fewer bytes from disk and more from host memory, and one holding every disk
 expert reads no routed expert from disk once it has seen them; hits, misses and bytes equal replay's on the
 generation's own trace (lru, lfu, heat; and with a device cache above it); the carve out of the host budget;
-refused sizes; a prefill keeps its most picked disk experts in free pages (exact rows) and reads as without the
+refused sizes; after evictions each cached row is one run of pages (read in place); a prefill keeps its most picked disk experts in free pages (exact rows) and reads as without the
 cache; a plan with nothing on disk leaves it empty.
 """
 
@@ -110,6 +110,18 @@ def test_a_bigger_cache_reads_less_from_disk_and_more_from_host_memory(folder):
     assert host[0] == 0 and all(a > b for a, b in zip(disk, disk[1:])), seen
     assert all(a < b for a, b in zip(host, host[1:])), seen
     assert len({d + h for d, h in seen}) == 1, seen      # the same bytes, read from another tier
+
+
+def test_after_evictions_every_cached_row_is_one_run_of_pages_read_in_place(folder):
+    """gate_up_proj's row is two pages, down_proj's one: a victim's three pages go to the next expert admitted,
+    each of its rows in one run (host_cache.run_start), so hits are read in place, not copied page by page."""
+    model, _ = load(folder, plan=disk_plan(folder, "whole"), host_cache_gb=gb(4 * EXPERT), cache_policy="lru")
+    generate(model, prompt_ids(folder, 8), 30)
+    cache = model.moe_offload_runtime.host_cache
+    stats = cache.stats()
+    assert stats["host_cache_evictions"] > 0 and stats["host_cache_hits"] > 0, stats
+    rows = [pages for held in cache.pages.held.values() for pages in held if pages]
+    assert len(rows) == 2 * len(cache.contents()) and all(cache.run_start(list(p)) is not None for p in rows), rows
 
 
 def test_a_cache_of_every_disk_expert_reads_no_routed_expert_from_disk_once_it_has_seen_them(folder):

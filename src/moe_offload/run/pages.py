@@ -4,8 +4,10 @@
 The arena is uint8 [pages, page_bytes], page_bytes the greatest common divisor of every cached tensor row (one
 expert's slice of one tensor), carved once: whatever set of experts a policy holds within its capacity fits in
 capacity // page_bytes pages, wherever the free pages are, with no fragmentation whatever the mix of row sizes.
-An admitted expert claims, per tensor of its layer, that row's pages; an evicted one gives them back. Pages are
-handed out lowest first and given back in order, so a row's pages are mostly runs of consecutive ids.
+An admitted expert claims, per tensor of its layer, that row's pages; an evicted one gives them back. A row is
+given one run of consecutive page ids wherever the free pages hold one (the shortest run that fits, lowest first,
+so longer runs stay whole for longer rows), and scattered pages only where none is long enough: a row in one run
+is read in place (host_cache.run_start) and copied in one memcpy, a scattered one is copied out run by run.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class PagedArena:
     def __init__(self):
         self.page_bytes = 0
         self.arena: torch.Tensor | None = None
-        self.free: list[int] = []                                 # free page ids (a stack: pop() is the lowest)
+        self.free: list[int] = []                                 # free page ids, ascending
         self.held: dict[Hashable, tuple[list[int], ...]] = {}     # key -> per tensor, its pages
 
     def carve(self, row_bytes: Iterable[int], expert_bytes: Iterable[int], capacity: int,
@@ -49,7 +51,7 @@ class PagedArena:
             advise_huge(self.arena)
             self.arena.zero_()
         self.page_bytes = page
-        self.free = list(range(pages - 1, -1, -1))
+        self.free = list(range(pages))
 
     @property
     def nbytes(self) -> int:
@@ -61,13 +63,32 @@ class PagedArena:
         for b in row_bytes:
             n = b // self.page_bytes if b else 0
             assert n <= len(self.free), "the policy admitted more bytes than the arena holds"
-            pages.append([self.free.pop() for _ in range(n)])
+            pages.append(self._take(n))
         self.held[key] = tuple(pages)
         return self.held[key]
 
+    def _take(self, n: int) -> list[int]:
+        """n free pages: the shortest run of at least n consecutive free ids (the lowest of equals), its first n;
+        the lowest n free pages where no run is that long (the arena fits any mix, in runs or not)."""
+        if not n:
+            return []
+        free, best, start = self.free, None, 0
+        for i in range(1, len(free) + 1):
+            if i == len(free) or free[i] != free[i - 1] + 1:      # free[start:i]: one maximal run
+                if n <= i - start and (best is None or i - start < best[0]):
+                    best = (i - start, start)
+                    if i - start == n:
+                        break
+                start = i
+        at = best[1] if best is not None else 0
+        taken = free[at:at + n] if best is not None else free[:n]
+        del free[at:at + n]
+        return taken
+
     def release(self, key: Hashable) -> None:
         for pages in self.held.pop(key):
-            self.free.extend(reversed(pages))   # back in order: the next claim gets them ascending again
+            self.free.extend(pages)
+        self.free.sort()   # ascending again (a merge of sorted runs)
 
 
 @dataclass(frozen=True)
