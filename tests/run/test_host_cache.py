@@ -13,8 +13,9 @@ What is checked: tokens and logits bit-identical to the same plan without the ho
 backends); a bigger cache reads fewer bytes from disk and more from host memory, and one holding every disk
 expert reads no routed expert from disk once it has seen them; hits, misses and bytes equal replay's on the
 generation's own trace (lru, lfu, heat; and with a device cache above it); the carve out of the host budget;
-refused sizes; after evictions each cached row is one run of pages (read in place); a prefill keeps its most picked disk experts in free pages (exact rows) and reads as without the
-cache; a plan with nothing on disk leaves it empty.
+refused sizes; after evictions each cached row is one run of pages (read in place); a prefill keeps its most
+picked disk experts in free pages (exact rows) and reads as without the cache; a plan with nothing on disk leaves
+it empty.
 """
 
 from __future__ import annotations

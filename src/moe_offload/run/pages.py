@@ -81,7 +81,7 @@ class PagedArena:
                         break
                 start = i
         at = best[1] if best is not None else 0
-        taken = free[at:at + n] if best is not None else free[:n]
+        taken = free[at:at + n]
         del free[at:at + n]
         return taken
 
