@@ -13,6 +13,7 @@ import random
 
 from moe_offload.run.host_cache import HostCache
 from moe_offload.run.pages import PagedArena
+from moe_offload.storage.host import expert_runs
 
 PAGE = 4096
 ROWS = (2 * PAGE, PAGE)            # one expert: gate_up_proj, down_proj
@@ -29,11 +30,7 @@ def is_run(pages: list[int]) -> bool:
 
 
 def longest_free_run(free: list[int]) -> int:
-    best = length = 0
-    for i, p in enumerate(free):
-        length = length + 1 if i and p == free[i - 1] + 1 else 1
-        best = max(best, length)
-    return best
+    return max((count for _, _, count in expert_runs(free)), default=0)
 
 
 def test_a_row_claimed_after_evictions_is_one_run_of_pages():

@@ -40,6 +40,7 @@ from ..errors import BudgetError
 from ..planning.placement import format_bytes
 from ..routing.expert_cache import prefill_keeps
 from ..storage.clib import copy_bytes
+from ..storage.host import expert_runs
 from .pages import Decision, PagedCache
 
 Key = tuple[int, int]   # (layer, expert)
@@ -121,9 +122,10 @@ class HostCache(PagedCache):
 
     # --- one layer step: the read plan decides (PagedCache.decide), the executor copies ----------------------
     def read(self, pages: list[int], out_row: torch.Tensor) -> None:
-        """out_row (one expert's row of one tensor, contiguous, on the cpu) <- its cached pages."""
+        """out_row (one expert's row of one tensor, contiguous, on the cpu) <- its cached pages: one memcpy per run of
+        consecutive pages (a byte tensor's index_select / index_copy_ over pages is many times slower on the cpu)."""
         row = out_row.view(-1).view(torch.uint8).view(-1, self.page_bytes)
-        for at, first, n in _runs(pages):
+        for at, first, n in expert_runs(pages):
             copy_bytes(row[at:at + n], self.arena[first:first + n])
 
     @staticmethod
@@ -145,19 +147,8 @@ class HostCache(PagedCache):
     def store(self, pages: list[int], row: torch.Tensor) -> None:
         """An admitted expert's row of one tensor (contiguous, on the cpu) -> its pages."""
         src = row.reshape(-1).view(torch.uint8).view(-1, self.page_bytes)
-        for at, first, n in _runs(pages):
+        for at, first, n in expert_runs(pages):
             copy_bytes(self.arena[first:first + n], src[at:at + n])
-
-
-def _runs(pages: list[int]) -> list[tuple[int, int, int]]:
-    """(position in the row, first page, count) of each run of consecutive page ids: one memcpy per run (a byte
-    tensor's index_select / index_copy_ over pages is many times slower than a copy on the cpu)."""
-    runs, start = [], 0
-    for i in range(1, len(pages) + 1):
-        if i == len(pages) or pages[i] != pages[i - 1] + 1:
-            runs.append((start, pages[start], i - start))
-            start = i
-    return runs
 
 
 def host_cache_bytes(host_cache_gb) -> int:

@@ -20,6 +20,7 @@ import torch
 
 from ..routing.cache_policy import make_cache
 from ..routing.expert_cache import ExpertCache
+from ..storage.host import expert_runs
 from ..storage.huge_pages import advise_huge
 
 
@@ -70,19 +71,10 @@ class PagedArena:
     def _take(self, n: int) -> list[int]:
         """n free pages: the shortest run of at least n consecutive free ids (the lowest of equals), its first n;
         the lowest n free pages where no run is that long (the arena fits any mix, in runs or not)."""
-        if not n:
-            return []
-        free, best, start = self.free, None, 0
-        for i in range(1, len(free) + 1):
-            if i == len(free) or free[i] != free[i - 1] + 1:      # free[start:i]: one maximal run
-                if n <= i - start and (best is None or i - start < best[0]):
-                    best = (i - start, start)
-                    if i - start == n:
-                        break
-                start = i
-        at = best[1] if best is not None else 0
-        taken = free[at:at + n]
-        del free[at:at + n]
+        fits = [(count, at) for at, _, count in expert_runs(self.free) if count >= n]
+        at = min(fits)[1] if fits and n else 0
+        taken = self.free[at:at + n]
+        del self.free[at:at + n]
         return taken
 
     def release(self, key: Hashable) -> None:
