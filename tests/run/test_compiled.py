@@ -24,7 +24,7 @@ from fixtures_models import load, prompt_ids
 from moe_offload.errors import MoeOffloadError
 from moe_offload.measure.timing import greedy_generate
 from moe_offload.planning.placement import GiB
-from moe_offload.run import grouped
+from moe_offload.run import graph_edge, grouped
 from moe_offload.run.compiled import check_compile, compile_kwargs, compile_seconds, decoding
 from moe_offload.run.read_executor import Deferred
 from moe_offload.tiny.make import make_tiny
@@ -130,12 +130,14 @@ def test_compiled_split_tokens_and_link_bytes_are_the_uncompiled_runs(folder, id
     assert any(ref_link), "the split tensor's host experts were never read"
 
 
-def test_compiled_streamed_disk_steps_run_eagerly_with_the_uncompiled_tokens_and_disk_bytes(folder, ids,
-                                                                                           monkeypatch):
+def test_compiled_streamed_disk_steps_are_graph_nodes_with_the_uncompiled_tokens_and_disk_bytes(folder, ids,
+                                                                                               monkeypatch):
     """CPU-only, routed experts split between resident and the disk tier as the released benchmark's plans split
     them (gate_up wholly resident, down split), a host cache, fused: each decode step's experts are streamed
-    (streamed.py: reader threads, data-dependent reads, rows read where they lie), an edge of the compiled step
-    that runs eagerly (traced, it read an expert id -1)."""
+    (streamed.py: reader threads, data-dependent reads, rows read where they lie), one opaque node of the compiled
+    step (graph_edge.py: the runtime's operator, run eagerly inside; traced, it read an expert id -1). Called as
+    a torch.compiler.disable'd function instead, it broke the graph inside the loop over the layers and dynamo ran
+    the model's body eagerly: every decode step's experts then came through the eager call, not the operator."""
     plan = resident_and_on_disk(folder, whole_gate_up=True)
 
     def run(compiled: bool):
@@ -146,11 +148,14 @@ def test_compiled_streamed_disk_steps_run_eagerly_with_the_uncompiled_tokens_and
         return tokens, logits, [b for _, b in disk.calls[1:]]
 
     ref_tokens, ref_logits, ref_disk = run(compiled=False)
-    started = []
+    started, through_op = [], []
     real = Deferred.start
     monkeypatch.setattr(Deferred, "start", lambda self, submit: (started.append(1), real(self, submit))[1])
+    step = graph_edge.streamed_step
+    monkeypatch.setattr(graph_edge, "streamed_step", lambda *a: (through_op.append(1), step(*a))[1])
     tokens, logits, disk = run(compiled=True)
     assert len(started) == (NEW - 1) * SIZES["layers"]           # every decode step of every layer streamed
+    assert len(through_op) == (NEW - 1) * SIZES["layers"]        # each through the operator of a compiled graph
     checked = _agreeing(tokens, ref_tokens, ref_logits)
     assert checked >= 3, f"only {checked} tokens had a reference margin above {MARGIN}: the test says little"
     steps = min(checked, NEW - 1)

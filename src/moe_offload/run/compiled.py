@@ -14,9 +14,13 @@ Where the graph breaks (routing is data-dependent):
 - an experts module whose selected experts must be gathered (split between tiers, the prefetch backend, the
   device cache, the disk tier, quantized: experts.py `ExpertsState.gather`) breaks the graph at its
   gather, which runs eagerly; the compute after it is traced again;
-- an offloaded embedding table's hook (its `torch.unique` of the token ids) and the disk tier's dense reads;
-- a CPU-only disk-tier decode step with the fused kernels: its experts are streamed (streamed.py `streamed_step`:
-  reader threads, each expert computed as its rows land), the whole experts call eagerly.
+- the disk tier's dense reads;
+- an offloaded embedding table's staging hooks (state.py `hook_staged_embedding`) run eagerly at the graph's start.
+
+Not a break: a CPU-only disk-tier decode step with the fused kernels streams its experts (streamed.py
+`streamed_step`: reader threads, each expert computed as its rows land) inside one opaque node of the graph, the
+runtime's own operator (graph_edge.py), so the layers around it stay one graph (a break there, inside the loop
+over the layers, made dynamo run the model's body eagerly).
 
 Resident experts and whole host tensors under uva stay inside the graph, computed by the same grouped
 kernels as grouped.py (or the eager loop, traced, with experts="eager"). Counting is unchanged: every

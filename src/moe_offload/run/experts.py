@@ -103,6 +103,8 @@ class ExpertsState:
     # local name -> disk_tier.DiskTensor of tensors on the disk tier: their selected experts are read from the
     # checkpoint (a disk-tier split tensor's layout is in `split`, its disk experts as the "host" ids)
     disk: dict = field(default_factory=dict)
+    # its index among the runtime's graph edges (graph_edge.py) when its decode steps can stream, else None
+    edge: int | None = None
 
     def run(self, module, hidden_states, top_k_index, top_k_weights):
         # top_k_index: [T, k] expert ids; the selected experts are the only ones read.
@@ -133,6 +135,8 @@ class ExpertsState:
             return rt.compute(module, staged, hidden_states, local, top_k_weights, view=view, decode=decode,
                               quant=quant)
         if streams(self, fused, cached):    # CPU-only disk-tier decode: each expert computed as its rows land
+            if torch.compiler.is_compiling() and self.edge is not None:   # one opaque node of the graph
+                return rt.edges.experts(self.edge, hidden_states, top_k_index, top_k_weights)
             return streamed_step(self, module, hidden_states, top_k_index, top_k_weights)
         # With a look-ahead, a decode step gathers too: its predicted experts come from the rows copied ahead.
         ahead = rt.lookahead is not None and rt.decode_step

@@ -39,6 +39,7 @@ from .read_backend import ReadBackend
 from .read_prefetch import PrefetchReads
 from .read_uva import UvaReads
 from .experts import EXPERTS_IMPL, ExpertsState, is_experts_module, register_experts_function
+from .graph_edge import GraphEdges
 from ..model.inventory import layer_of, layer_prefix
 from .quant_weights import Dequantizer, Reader, byte_split, byte_view, by_module as quant_by_module
 from .state import Recorder, RoutedCall, RunState
@@ -104,6 +105,7 @@ class Runtime(RunState):
                          dequantizer=Dequantizer(device, self.quant) if self.quant else None, experts=experts,
                          host_cache=host_cache, lookahead=lookahead, host_compute=host_compute)
         self.model = model
+        self.edges: GraphEdges | None = None   # the streamed experts steps as operators of a compiled step
         self.arena = arena
         self.host_names = dict(host_names)  # in-memory name -> tier ("host"/"disk"), tracked by name
         # name -> the host-memory tensor behind an offloaded weight (the model may hold a uva view of it)
@@ -171,6 +173,10 @@ class Runtime(RunState):
                 mod._moe_offload_state = ExpertsState(self, offl, num or 0, split, layer_of(mod_name),
                                                       quant=quantized.get(mod_name, {}), disk=disk)
                 states[mod_name] = mod._moe_offload_state
+                if disk and self.device.type == "cpu":   # its decode steps may stream: an operator when compiled
+                    if self.edges is None:
+                        self.edges = GraphEdges()
+                    mod._moe_offload_state.edge = self.edges.add(mod._moe_offload_state, mod)
             elif locals_ and isinstance(mod, nn.Embedding):
                 self.reads.hook_embedding(self, mod)
             elif locals_:
@@ -214,6 +220,8 @@ class Runtime(RunState):
         self.handles.clear()
         for mod in getattr(self, "_experts_modules", []):
             mod.__dict__.pop("_moe_offload_state", None)
+        if self.edges is not None:
+            self.edges.clear()
         self.reads.release()
         if self.cache is not None:   # weights may change before attach(): cached copies would go stale
             self.cache.drop_all()
@@ -244,6 +252,8 @@ class Runtime(RunState):
             self.host_compute.close()
         if self.disk is not None:
             self.disk.close()
+        if self.edges is not None:
+            self.edges.close()
         self._staging.clear()
         self.host_tensors.clear()
         if self.arena is not None:

@@ -162,6 +162,7 @@ class RunState:
         put back after."""
         home, padding = mod.weight, mod.padding_idx
 
+        @torch.compiler.disable
         def pre(m, args):
             rows, local = Selected.of(args[0])
             read.charge(self, len(rows.ids))
@@ -174,6 +175,7 @@ class RunState:
             # on the host (its first parameter's device) while the rows are staged on the accelerator
             return (local.to(weight.device), *args[1:])
 
+        @torch.compiler.disable
         def post(m, args, output):
             set_tensor(m, "weight", home)
             m.padding_idx = padding
