@@ -11,6 +11,7 @@ convert_hf_to_gguf.py reads), one shard per layer, cached in models/ (git-ignore
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -224,7 +225,9 @@ def child(spec: dict) -> dict:
     apart as its sampling time, in choose_ms_per_token. spec['greedy']: each step's input is the token the step
     before chose, else the text's next; spec['sample'] {temperature, seed}: the token the step before drew from its
     softmax at that temperature, as llama.cpp's `--temp T --top-k 0 --top-p 1 --min-p 0` draws; spec['experts']:
-    how the experts are computed, load's default when absent)."""
+    how the experts are computed, load's default when absent). spec['compile']: the decode steps through the
+    compiled step (run/compiled.py, a static KV cache, as `--compile` decodes): one decode step more, the first,
+    which compiles; its time beyond the median step is compile_s, and the spec['steps'] after it are measured."""
     import torch
 
     torch.set_num_threads(spec["threads"])
@@ -283,20 +286,36 @@ def child(spec: dict) -> dict:
             return int(logits.argmax())
         return int(torch.multinomial(torch.softmax(logits.float() / sample["temperature"], -1), 1, generator=draw))
 
-    with torch.no_grad():
+    compiled = bool(spec.get("compile"))
+    call, static, warm = model, {}, 0
+    if compiled:
+        from transformers import StaticCache
+        from moe_offload.run.compiled import check_compile, compile_config, decoding
+
+        check_compile(model)
+        import torch._inductor.config as inductor
+
+        inductor.compile_threads = 1    # no compile workers: their memory would be charged to the arm's cgroup
+        static = {cache_kw: StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=p + steps + 2)}
+        call, warm = model.get_compiled_call(compile_config(torch.device("cpu"))), 1
+    with torch.no_grad(), (decoding(model) if compiled else contextlib.nullcontext()):
         t = time.perf_counter()
-        out = model(input_ids=ids[:, :p], use_cache=True, **extra)
+        out = model(input_ids=ids[:, :p], use_cache=True, **static, **extra)
         ttft = time.perf_counter() - t
         first = choose(out.logits[0, -1])
         cache = getattr(out, cache_kw)
         timers.update(stage=0.0, take=0.0)
-        for i in range(steps):
+        for i in range(steps + warm):
+            if i == warm and warm:      # the compiling step is not measured: the counters restart after it
+                first_s = itl.pop()
+                pick.clear(), disk.clear(), io.clear()
+                timers.update(stage=0.0, take=0.0)
             before = _io_read_bytes()
             t = time.perf_counter()
             # greedy or sampled: the token the model chose (as llama.cpp decodes), else the text's next token
             own = spec.get("greedy") or sample
             x = torch.tensor([[argmax[-1] if argmax else first]]) if own else ids[:, p + i:p + i + 1]
-            out = model(input_ids=x, use_cache=True, **{cache_kw: cache}, **extra)
+            out = call(input_ids=x, use_cache=True, **{cache_kw: cache}, **extra)
             itl.append(time.perf_counter() - t)
             t = time.perf_counter()
             argmax.append(choose(out.logits[0, -1]))
@@ -305,7 +324,8 @@ def child(spec: dict) -> dict:
             disk.append(rt.disk_counter.calls[-1][1])
             cache = getattr(out, cache_kw)
     peak = peak_rss_bytes()
-    decode_routed = routed[1:]          # the prefill's call first
+    decode_routed = routed[1 + warm:]   # the prefill's call first (then the compiling step's)
+    compile_s = max(first_s - statistics.median(itl), 0.0) if warm else 0.0
     row = {"arm": spec["label"], "key": spec["key"], "steps": steps, "load_s": load_s, "ttft_s": ttft,
            "itl_s": itl, "tok_s_mean": steps / sum(itl), "tok_s_p50": 1 / statistics.median(itl),
            "choose_ms_per_token": statistics.mean(pick) * 1e3,
@@ -314,6 +334,7 @@ def child(spec: dict) -> dict:
            "resident_bytes": plan.resident_bytes,
            "disk_tier_bytes": sum(t.offloaded_bytes for t in plan.tensors if t.tier == "disk"),
            "stage_ms_per_token": timers["stage"] / steps * 1e3, "lookahead_take_ms_per_token": timers["take"] / steps * 1e3,
+           "compiled": compiled, "compile_s": compile_s,
            "mechanism": rt.mechanism, "plan_notes": list(getattr(plan, "notes", []) or []),
            **host_cache_stats(getattr(rt, "host_cache", None)), **lookahead_stats(getattr(rt, "lookahead", None), steps)}
     if getattr(rt, "lookahead", None) is not None:

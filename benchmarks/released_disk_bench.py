@@ -88,6 +88,8 @@ def arm_specs(cfg: dict, model: Path, ids: list[int], cap_gb: float, threads: in
              dict(common, key="d", label="(d) disk reads via mmap", reserve_gb=r, disk_read="mmap", **planned)]
     if stats and cfg.get("b0", True):
         specs.append(dict(cached, key="b0", label=f"(b0) = (b) planned without routing statistics"))
+    if cfg.get("compiled", True):
+        specs.append(dict(cached, key="bc", label="(bc) = (b), the decode step compiled", compile=True, **planned))
     return [dict(s, arm=s["key"], key=f"{s['key']}-{tag}") for s in specs]
 
 

@@ -96,12 +96,14 @@ class ExpertsCompute:
 
     def fused_for(self, module: nn.Module, hidden_states: torch.Tensor, quant=None) -> bool:
         """This call is computed by the CPU kernels (reading quantized experts as stored, nothing dequantized)."""
-        if self.mode is not ExpertsMode.FUSED or hidden_states.size(0) > FUSED_MAX_ROWS:
+        if self.mode is not ExpertsMode.FUSED:
             return False
         key = id(module)
+        # Decided on a module's first call, whatever its length: a prefill, run eagerly before a compiled decode
+        # step is traced, so the step's graph is not guarded on a key it adds (one more compile, on its 2nd step).
         if key not in self._unsupported:
             self._unsupported[key] = supports(module, quant or {})
-        return self._unsupported[key] is None
+        return hidden_states.size(0) <= FUSED_MAX_ROWS and self._unsupported[key] is None
 
     def __call__(self, module: nn.Module, tensors: dict[str, torch.Tensor], hidden_states: torch.Tensor,
                  top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *, view=None,
