@@ -3,7 +3,8 @@
 Qwen3-30B-A3B's layer x 8 (make-tiny --like, 10.4 GiB bf16, random weights, per-expert keys as released) or
 gpt-oss-20b's x 12 (`--model gpt-oss-20b`: 7.5 GiB, its experts MXFP4 as released, read as stored) in v1 memory cgroups of 55% and 35% of the checkpoint, each arm a fresh process on a cold page cache, at one and two
 threads: ours (a) the disk tier, (b) + host cache, (c) + host cache + look-ahead 1, (d) the disk tier's reads
-through mmap, against (e) llama.cpp memory-mapped (its default; `--load-mode dio` where the build has it). Every
+through mmap, (b0) = (b) planned without routing statistics, (bc) = (b) with the decode step compiled, against (e)
+llama.cpp memory-mapped (its default; `--load-mode dio` where the build has it). Every
 arm's --device-memory is the cgroup's limit: the whole process (interpreter, torch, weights, buffers, caches and the
 page cache it causes) must stay inside it. (b) and (c) move part of the plan's resident experts to the host cache:
 the same memory in all. Beside every figure: the disk's measured random-read bandwidth (O_DIRECT, reads of one
@@ -178,7 +179,7 @@ def report(res: dict) -> str:
           f"weights). Machine: "
           f"{res['machine']}. llama.cpp {res['llama_version']}. Cold page cache before every run; each arm a fresh "
           f"process in a v1 memory cgroup of the cap (RSS and page cache charged), --device-memory = the cap, "
-          f"--reserve-gb {res['config']['reserve_gb']} (+ the host cache in (b), (c)); {res['config']['steps']} "
+          f"--reserve-gb {res['config']['reserve_gb']} (+ the host cache in (b), (c), (b0), (bc)); {res['config']['steps']} "
           f"decode tokens after a {res['prompt_tokens']}-token prompt (the same text for both engines; ours "
           "computes experts with its CPU kernels, `--experts auto`), each token chosen as the workload says: "
           "greedy (the argmax: a random-weight model soon repeats one token, so every step routes nearly as the "
@@ -220,7 +221,10 @@ def report(res: dict) -> str:
            + (f"; (a)-(d) planned by the frequency policy from routing statistics recorded once beforehand, the "
               f"model resident, on another text ({cal['tokens']} sampled decode tokens, seed {cal['seed']}; distinct "
               f"experts per layer: {', '.join(map(str, cal['distinct_experts_per_layer'].values()))}), (b0) by the default "
-              "policy without them" if cal else "") + "; llama.cpp: "
+              "policy without them" if cal else "") + "; (bc) decodes through the compiled step (run/compiled.py: "
+           "transformers' compiled call over a static KV cache, each layer's streamed experts one operator node of "
+           "its graph, as `--compile` decodes), after one more decode step, which compiles and is not measured "
+           "(compile_s in the JSON); llama.cpp: "
            "`llama-completion -n N --ignore-eos -t T -tb T -c 512 --no-repack` (its repacked copy of the weights, anonymous "
            "memory, does not fit a cap below the model), its eval time over its eval runs. The disk MB per "
            "token of ours is what the process read from the block device (/proc/self/io) over the decode steps.", ""]
