@@ -227,7 +227,8 @@ def child(spec: dict) -> dict:
     softmax at that temperature, as llama.cpp's `--temp T --top-k 0 --top-p 1 --min-p 0` draws; spec['experts']:
     how the experts are computed, load's default when absent). spec['compile']: the decode steps through the
     compiled step (run/compiled.py, a static KV cache, as `--compile` decodes): one decode step more, the first,
-    which compiles; its time beyond the median step is compile_s, and the spec['steps'] after it are measured."""
+    which compiles; its time beyond the median step is compile_s (compiled.compile_seconds), and the
+    spec['steps'] after it are measured."""
     import torch
 
     torch.set_num_threads(spec["threads"])
@@ -290,7 +291,7 @@ def child(spec: dict) -> dict:
     call, static, warm = model, {}, 0
     if compiled:
         from transformers import StaticCache
-        from moe_offload.run.compiled import check_compile, compile_config, decoding
+        from moe_offload.run.compiled import check_compile, compile_config, compile_seconds, decoding
 
         check_compile(model)
         import torch._inductor.config as inductor
@@ -325,7 +326,7 @@ def child(spec: dict) -> dict:
             cache = getattr(out, cache_kw)
     peak = peak_rss_bytes()
     decode_routed = routed[1 + warm:]   # the prefill's call first (then the compiling step's)
-    compile_s = max(first_s - statistics.median(itl), 0.0) if warm else 0.0
+    compile_s = compile_seconds([first_s, *itl]) if warm else 0.0
     row = {"arm": spec["label"], "key": spec["key"], "steps": steps, "load_s": load_s, "ttft_s": ttft,
            "itl_s": itl, "tok_s_mean": steps / sum(itl), "tok_s_p50": 1 / statistics.median(itl),
            "choose_ms_per_token": statistics.mean(pick) * 1e3,

@@ -73,4 +73,4 @@ class GraphEdges:
 
     def close(self) -> None:
         self._steps.clear()
-        self._lib._destroy()
+        self._lib = None     # the library's finalizer removes the operator
