@@ -1,15 +1,16 @@
-"""The kernel's prefetch distances on this CPU: how fast expert_gemv reads weights from RAM with each.
+"""The kernel's read shapes on this CPU: how fast expert_gemv reads weights from RAM with each.
 
-The kernel asks for a row's lines some bytes ahead of where it reads (into L1 and into L2; the source's header,
-src/moe_offload/kernels/csrc/expert_gemv.cpp, says why), and the distances that pay differ between cores. This
+The kernel asks for a row's lines some bytes ahead of where it reads (into L1 and into L2) and reads several rows of
+one expert together (rows in flight; the source's header, src/moe_offload/kernels/csrc/expert_gemv.cpp, says why),
+and the shapes that pay differ between cores. This
 measures them where it matters, reads from RAM at a released model's sizes, bf16, 2 MiB pages:
 
 - lm_head: Qwen3-30B-A3B's [151936 x 2048] (622 MB, far past any cache), one token;
 - experts: 8 of 128 experts of [1536 x 2048] (Qwen3-30B-A3B's gate_up), 8 tokens each picking one, fresh ids
   every call from two stacks of 805 MB used in turn (so none is in cache).
 
-All distances run in one process, call after call in turn (round-robin), at each thread count, so the host's
-noise falls on every distance alike; GB/s = bytes read / the median call's time. "default" is what the kernel
+All shapes run in one process, call after call in turn (round-robin), at each thread count, so the host's
+noise falls on every shape alike; GB/s = bytes read / the median call's time. "default" is what the kernel
 uses on this CPU when a call names none (moe_offload.kernels.prefetch_distances()).
 
     .venv/bin/python benchmarks/prefetch_bench.py [--threads 1 2] [--rounds 12] [--quick]
@@ -38,12 +39,14 @@ from moe_offload.storage.huge_pages import advise_huge
 
 ROOT = Path(__file__).resolve().parent.parent
 DISTANCES = (Prefetch(0, 0), Prefetch(512, 0), Prefetch(512, 2048), Prefetch(512, 4096), Prefetch(1024, 2048),
-             Prefetch(1024, 4096), Prefetch(2048, 8192))
+             Prefetch(1024, 4096), Prefetch(2048, 8192), Prefetch(0, 0, 8), Prefetch(256, 0, 8), Prefetch(256, 0, 4),
+             Prefetch(1024, 4096, 8))
 HIDDEN, VOCAB, EXPERTS, ROWS, TOP_K = 2048, 151936, 128, 1536, 8
 
 
 def label(p: Prefetch) -> str:
-    return "none" if p.l1 == p.l2 == 0 else f"{p.l1} / {p.l2}"
+    ahead = "none" if p.l1 == p.l2 == 0 else f"{p.l1} / {p.l2}"
+    return ahead if p.rows == 1 else f"{ahead}, {p.rows} rows"
 
 
 def huge(shape: tuple[int, ...]) -> torch.Tensor:
@@ -98,7 +101,7 @@ def plot(rows: list[dict], default: str, path: Path, title: str) -> None:
         ax.set_xticks([j + width * (len(threads) - 1) / 2 for j in range(len(names))],
                       [n + (" *" if n == default else "") for n in names], rotation=30, fontsize=8)
         ax.set_title(what, fontsize=10)
-        ax.set_xlabel("prefetch L1 / L2 bytes ahead (* this CPU's default)")
+        ax.set_xlabel("prefetch L1 / L2 bytes ahead, rows in flight (* this CPU's default)")
     axes[0].set_ylabel("GB/s read from RAM")
     axes[0].legend(loc="lower left")
     fig.suptitle(title, fontsize=10)
@@ -123,9 +126,9 @@ def main(argv=None) -> int:
     finally:
         torch.set_num_threads(before)
     machine = f"{machine_key().rsplit(' | ', 1)[0]}, {platform.system()} {platform.release()}"
-    print(f"expert_gemv read rate by prefetch distances: {machine}; {rounds} rounds")
+    print(f"expert_gemv read rate by read shape: {machine}; {rounds} rounds")
     table = Table()
-    for col in ("threads", "L1 / L2 bytes ahead", "lm_head GB/s", "experts GB/s"):
+    for col in ("threads", "L1 / L2 bytes ahead, rows", "lm_head GB/s", "experts GB/s"):
         table.add_column(col, justify="right")
     for r in rows:
         mark = " (default)" if r["distances"] == default else ""
@@ -138,14 +141,14 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "prefetch_bench.json").write_text(json.dumps(result, indent=1) + "\n")
     if not a.quick and not a.out:
-        plot(rows, default, ROOT / "docs" / "prefetch-bench.png", f"expert_gemv prefetch distances, {machine}")
-        lines = ["# The kernel's prefetch distances", "",
+        plot(rows, default, ROOT / "docs" / "prefetch-bench.png", f"expert_gemv read shapes, {machine}")
+        lines = ["# The kernel's read shapes: prefetch distances and rows in flight", "",
                  f"Written by `benchmarks/prefetch_bench.py` (its docstring is the method) on {result['date']}: "
                  f"{machine}, torch {torch.__version__}, {rounds} rounds. This CPU's default: {default}.", "",
-                 "| threads | L1 / L2 bytes ahead | lm_head GB/s | experts GB/s |", "|---|---|---|---|"]
+                 "| threads | L1 / L2 bytes ahead, rows | lm_head GB/s | experts GB/s |", "|---|---|---|---|"]
         lines += [f"| {r['threads']} | {r['distances']}{' (default)' if r['distances'] == default else ''} | "
                   f"{r['lm_head_gbs']} | {r['experts_gbs']} |" for r in rows]
-        lines += ["", "![read rate by prefetch distances](prefetch-bench.png)", ""]
+        lines += ["", "![read rate by read shape](prefetch-bench.png)", ""]
         (ROOT / "docs" / "prefetch_bench.md").write_text("\n".join(lines))
     return 0
 

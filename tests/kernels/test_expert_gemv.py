@@ -148,7 +148,8 @@ def test_prefetch_distances_change_no_bit():
              (fp8, x[:, :4096]), (mx, x[:, :4096])]
     for stack, xs in cases:
         default = _all_paths(xs, stack, ids)
-        for pf in (Prefetch(0, 0), Prefetch(512, 0), Prefetch(0, 2048), Prefetch(512, 2048), Prefetch(4096, 65536)):
+        for pf in (Prefetch(0, 0), Prefetch(512, 0), Prefetch(0, 2048), Prefetch(512, 2048), Prefetch(4096, 65536),
+                   Prefetch(0, 0, 2), Prefetch(256, 0, 4), Prefetch(1024, 4096, 8)):
             assert torch.equal(_all_paths(xs, stack, ids, prefetch=pf), default), pf
 
 
@@ -156,7 +157,7 @@ def test_prefetch_default_follows_the_vendor():
     vendor = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                    if line.startswith("vendor_id")), "")
     amd = vendor == "AuthenticAMD"
-    assert prefetch_distances() == (Prefetch(512, 2048) if amd else Prefetch(1024, 4096))
+    assert prefetch_distances() == (Prefetch(512, 2048, 1) if amd else Prefetch(256, 0, 8))
 
 
 def test_bad_prefetch_distances_are_refused():
@@ -166,6 +167,11 @@ def test_bad_prefetch_distances_are_refused():
     w, x, ids = torch.randn(2, 8, 32), torch.randn(1, 32), torch.tensor([1])
     with pytest.raises(RuntimeError, match="prefetch distances are -1 .* or 0..65536 bytes, not 70000 and 0"):
         torch.ops.moe_offload.expert_gemv(x, w, ids, 0, None, None, 0, False, int(best_isa()), 70000, 0)
+    for rows in (0, 3, 16, 2.0):
+        with pytest.raises(ValueError, match="the kernel reads 1, 2, 4, 8 rows together"):
+            Prefetch(0, 0, rows)
+    with pytest.raises(RuntimeError, match="rows in flight are -1 .*, 1, 2, 4 or 8, not 3"):
+        torch.ops.moe_offload.expert_gemv(x, w, ids, 0, None, None, 0, False, int(best_isa()), 0, 0, 3)
 
 
 def test_second_kernel_path_setting_caps_the_instruction_set(monkeypatch):

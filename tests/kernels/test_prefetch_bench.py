@@ -1,4 +1,4 @@
-"""benchmarks/prefetch_bench.py end to end at an eighth of its sizes: every distance at every thread count, this
+"""benchmarks/prefetch_bench.py end to end at an eighth of its sizes: every read shape at every thread count, this
 CPU's default among them and named, written where --out says and nowhere else."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def test_quick_run_measures_every_distance_and_names_the_default(tmp_path, capsy
     assert [p.name for p in tmp_path.iterdir()] == ["prefetch_bench.json"]
     result = json.loads((tmp_path / "prefetch_bench.json").read_text())
     default = prefetch_distances()
-    assert result["default"] == f"{default.l1} / {default.l2}"
+    assert result["default"] == f"{default.l1} / {default.l2}" + (f", {default.rows} rows" if default.rows > 1 else "")
     names = [bench.label(p) for p in bench.DISTANCES]
     assert result["default"] in names
     assert [(r["threads"], r["distances"]) for r in result["rows"]] == [(t, n) for t in (1, 2) for n in names]

@@ -70,24 +70,34 @@ def fp8_row_blocks(rows: int, block_rows: int, parts: int = 1) -> torch.Tensor:
     return ((o // part_rows) * per_part + (o % part_rows) // block_rows).to(torch.int32)
 
 
+ROWS_IN_FLIGHT = (1, 2, 4, 8)   # the source's by_rows
+
+
 @dataclass(frozen=True)
 class Prefetch:
-    """How far ahead of the read position the kernel asks for a row's lines, in bytes (0: no request): `l1` into
-    L1, `l2` into L2. No arithmetic changes with it; prefetch_distances() is what a call uses by default."""
+    """How the kernel reads a stack's rows from memory: how far ahead of the read position it asks for a row's
+    lines, in bytes (0: no request), `l1` into L1, `l2` into L2; and `rows`, how many rows of one expert it reads
+    together (the float formats; several streams of misses in flight where one leaves the core waiting). No
+    arithmetic changes with any of them; prefetch_distances() is what a call uses by default."""
     l1: int
     l2: int
+    rows: int = 1
 
     def __post_init__(self):
         for level, ahead in (("l1", self.l1), ("l2", self.l2)):
             if not (isinstance(ahead, int) and 0 <= ahead <= MAX_PREFETCH):
                 raise ValueError(f"Prefetch.{level} is {ahead!r}: a distance is 0 (none) to {MAX_PREFETCH} bytes ahead")
+        if not (isinstance(self.rows, int) and self.rows in ROWS_IN_FLIGHT):
+            raise ValueError(f"Prefetch.rows is {self.rows!r}: the kernel reads {', '.join(map(str, ROWS_IN_FLIGHT))} "
+                             "rows together")
 
 
 def prefetch_distances() -> Prefetch:
-    """This CPU's default prefetch distances (AMD 512 / 2048, others 1024 / 4096; the source's header says why)."""
+    """This CPU's default read shape (AMD 512 / 2048 bytes ahead, one row; others 256 / none, eight rows together;
+    the source's header says why)."""
     kernels()
-    l1, l2 = torch.ops.moe_offload.prefetch_distances()
-    return Prefetch(int(l1), int(l2))
+    l1, l2, rows = torch.ops.moe_offload.prefetch_distances()
+    return Prefetch(int(l1), int(l2), int(rows))
 
 
 def expert_gemv(x: torch.Tensor, stack, ids: torch.Tensor, *, transposed: bool = False,
@@ -102,7 +112,7 @@ def expert_gemv(x: torch.Tensor, stack, ids: torch.Tensor, *, transposed: bool =
     x = x.float()
     ids = ids.reshape(-1).long()
     op = torch.ops.moe_offload.expert_gemv
-    pf = (-1, -1) if prefetch is None else (prefetch.l1, prefetch.l2)
+    pf = (-1, -1, -1) if prefetch is None else (prefetch.l1, prefetch.l2, prefetch.rows)
     if isinstance(stack, Fp8Stack):
         values = stack.values.view(torch.uint8) if stack.values.dtype != torch.uint8 else stack.values
         return op(x, values, ids, 1, stack.scales.float(), stack.row_block, stack.block_k, False, int(isa), *pf)

@@ -64,10 +64,11 @@ constexpr int64_t LANES = 16;
 // rows was slower than either. EPYC (Zen 4), every distance in one process in turn (benchmarks/prefetch_bench.py):
 // 1024 / 4096 17.4 GB/s, 512 / 2048 24.1, no prefetch 21.1, 512 / 4096 and 1024 / 2048 17.9-18.9; at two threads
 // 27.1 against 30.5 (in a faster hour of the VM: 23.0 against 32.3, two threads 48.1 against 67.1; every other
-// distance between). So default_prefetch() picks 512 / 2048 on AMD, 1024 / 4096 elsewhere; a call may name its own
-// (expert_gemv's pf_l1, pf_l2). A prefetch changes no arithmetic.
+// distance between): AMD's default is 512 / 2048 (one row); elsewhere rows in flight changed it (ROWS_IN_FLIGHT
+// below). A call may name its own (expert_gemv's pf_l1, pf_l2, pf_rows). A prefetch changes no arithmetic.
 struct Prefetch {
   int64_t l1, l2;   // bytes ahead of the read position; 0: no request at that level
+  int64_t rows;     // rows of one expert read together (1, 2, 4 or 8): ROWS_IN_FLIGHT below
 };
 
 inline void prefetch_ahead(const uint8_t* p, Prefetch pf) {   // p: the bytes being read (a call at least every 64)
@@ -77,12 +78,31 @@ inline void prefetch_ahead(const uint8_t* p, Prefetch pf) {   // p: the bytes be
 
 constexpr int64_t MAX_PREFETCH = 65536;
 
+// ROWS_IN_FLIGHT: the float formats' rows layout reads `rows` rows of one expert together, chunk by chunk (each
+// row's arithmetic exactly as above: its own chains, its own order, its own reduction), so `rows` streams of
+// misses are in flight at once where one row's stream alone leaves the core waiting on memory. Qwen3-30B-A3B's
+// lm_head, bf16, 2 MiB pages, Ice Lake server (2-core VM), a standalone loop, best of 8: one row with L1 1024 / L2
+// 4096 11.7 GB/s at one thread, 22.2 at two; 8 rows with L1 256 / no L2 15.6-16.2 and 28.9-30.1; 8 rows with
+// 1024 / 4096 13.2-13.9 (the requests ahead then only compete with the rows' own misses); 2 and 4 rows between.
+// Not yet measured on SPR or Zen 4 (the remarks above on interleaving rows predate this loop): AMD's default stays
+// one row with the distances measured there; benchmarks/prefetch_bench.py compares the shapes on any CPU.
 Prefetch default_prefetch() {   // asked of the CPU once, not on every call
   static const Prefetch vendor = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_is("amd") ? Prefetch{512, 2048} : Prefetch{1024, 4096};
+    return __builtin_cpu_is("amd") ? Prefetch{512, 2048, 1} : Prefetch{256, 0, 8};
   }();
   return vendor;
+}
+
+// Calls f(std::integral_constant<int, R>{}) for rows in flight R (1, 2, 4 or 8).
+template <class F>
+inline void by_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{});
+  }
 }
 #ifndef CHAINS
 #define CHAINS 2   // accumulator chains per lane (1, 2 or 4): part of the arithmetic's definition, see above
@@ -312,13 +332,64 @@ AVX2_TARGET inline void chunks_avx2(const uint8_t* row, const float* x, int64_t 
   }
 }
 
+// R rows of one expert for one pair, as rows_together_avx512 (ROWS_IN_FLIGHT), in two 8-lane halves.
+template <int64_t WT, int R>
+AVX2_TARGET inline void rows_together_avx2(const uint8_t* m, int64_t row_bytes, const float* x, int64_t K,
+                                           int64_t Kr, float* out, Prefetch pf) {
+  constexpr int64_t eb = WT == F32 ? 4 : 2;
+  __m256 lo[R][CHAINS], hi[R][CHAINS], wlo, whi;
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < CHAINS; ++h) lo[r][h] = hi[r][h] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + CHAINS * LANES <= K; c += CHAINS * LANES)
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* p = m + r * row_bytes + c * eb;
+      prefetch_ahead(p, pf);
+      for (int h = 0; h < CHAINS; ++h) {
+        load16_avx2(WT, p + h * LANES * eb, wlo, whi);
+        lo[r][h] = _mm256_fmadd_ps(wlo, _mm256_loadu_ps(x + c + h * LANES), lo[r][h]);
+        hi[r][h] = _mm256_fmadd_ps(whi, _mm256_loadu_ps(x + c + h * LANES + 8), hi[r][h]);
+      }
+    }
+  for (int h = 0; h < CHAINS; ++h) {
+    const int64_t cc = c + h * LANES;
+    if (cc >= Kr) break;
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* p = m + r * row_bytes + cc * eb;
+      if (cc + LANES <= K) load16_avx2(WT, p, wlo, whi);
+      else load16_tail_avx2(WT, p, K - cc, wlo, whi);
+      lo[r][h] = _mm256_fmadd_ps(wlo, _mm256_loadu_ps(x + cc), lo[r][h]);
+      hi[r][h] = _mm256_fmadd_ps(whi, _mm256_loadu_ps(x + cc + 8), hi[r][h]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = reduce_avx2(combine_avx2(lo[r]), combine_avx2(hi[r]));
+}
+
+template <int64_t WT>
+AVX2_TARGET int64_t rows_in_flight_avx2(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt) {
+  int64_t o = o0;
+  by_rows(j.pf.rows, [&](auto rows) {
+    constexpr int R = decltype(rows)::value;
+    if constexpr (R > 1) {
+      const int64_t row_bytes = j.K * elem_bytes(WT), Kr = (j.K + LANES - 1) / LANES * LANES;
+      for (; o + R <= o1; o += R)
+        for (int64_t t = 0; t < nt; ++t)
+          rows_together_avx2<WT, R>(expert_rows(j, e) + o * row_bytes, row_bytes, j.x + toks[t] * j.Kp, j.K, Kr,
+                                    j.out + toks[t] * j.O + o, j.pf);
+    }
+  });
+  return o;
+}
+
 // Rows [o0, o1) of expert e for the pairs `toks` (each row read once for all of them).
 template <int64_t WT>
 AVX2_TARGET void rows_avx2_t(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt) {
   const uint8_t* m = expert_rows(j, e);
   const int64_t row_bytes = WT == MXFP4 ? j.K / 2 : j.K * elem_bytes(WT);
   const int64_t Kr = (j.K + LANES - 1) / LANES * LANES;
-  for (int64_t o = o0; o < o1; ++o) {
+  int64_t first = o0;
+  if constexpr (WT != MXFP4 && WT != FP8) first = rows_in_flight_avx2<WT>(j, e, o0, o1, toks, nt);
+  for (int64_t o = first; o < o1; ++o) {
     const uint8_t* row = m + o * row_bytes;
     for (int64_t t = 0; t < nt; ++t) {
       const float* x = j.x + toks[t] * j.Kp;
@@ -467,6 +538,56 @@ AVX512_TARGET inline void chunks_avx512(const uint8_t* row, const float* x, int6
   }
 }
 
+// R rows of one expert (row_bytes apart) for one pair, chunk by chunk: each row's chains, order and reduction exactly
+// chunks_avx512's over [0, Kr) (ROWS_IN_FLIGHT), the R rows' loads in flight together; x's chunks loaded once.
+template <int64_t WT, int R>
+AVX512_TARGET inline void rows_together_avx512(const uint8_t* m, int64_t row_bytes, const float* x, int64_t K,
+                                               int64_t Kr, float* out, Prefetch pf) {
+  constexpr int64_t eb = WT == F32 ? 4 : 2;
+  __m512 acc[R][CHAINS];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < CHAINS; ++h) acc[r][h] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + CHAINS * LANES <= K; c += CHAINS * LANES) {
+    __m512 xv[CHAINS];
+    for (int h = 0; h < CHAINS; ++h) xv[h] = _mm512_loadu_ps(x + c + h * LANES);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* p = m + r * row_bytes + c * eb;
+      prefetch_ahead(p, pf);
+      for (int h = 0; h < CHAINS; ++h) acc[r][h] = _mm512_fmadd_ps(load16_avx512(WT, p + h * LANES * eb), xv[h], acc[r][h]);
+    }
+  }
+  for (int h = 0; h < CHAINS; ++h) {
+    const int64_t cc = c + h * LANES;
+    if (cc >= Kr) break;
+    const __m512 xv = _mm512_loadu_ps(x + cc);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* p = m + r * row_bytes + cc * eb;
+      const __m512 w = cc + LANES <= K ? load16_avx512(WT, p) : load16_tail_avx512(WT, p, K - cc);
+      acc[r][h] = _mm512_fmadd_ps(w, xv, acc[r][h]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = reduce_avx512(combine_avx512(acc[r]));
+}
+
+// The float formats' rows [o0, o1) of expert e, j.pf.rows at a time while that many are left; returns the first row
+// not yet computed (the rest go one at a time).
+template <int64_t WT>
+AVX512_TARGET int64_t rows_in_flight_avx512(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt) {
+  int64_t o = o0;
+  by_rows(j.pf.rows, [&](auto rows) {
+    constexpr int R = decltype(rows)::value;
+    if constexpr (R > 1) {
+      const int64_t row_bytes = j.K * elem_bytes(WT), Kr = (j.K + LANES - 1) / LANES * LANES;
+      for (; o + R <= o1; o += R)
+        for (int64_t t = 0; t < nt; ++t)
+          rows_together_avx512<WT, R>(expert_rows(j, e) + o * row_bytes, row_bytes, j.x + toks[t] * j.Kp, j.K, Kr,
+                                      j.out + toks[t] * j.O + o, j.pf);
+    }
+  });
+  return o;
+}
+
 template <int64_t WT>
 AVX512_TARGET void rows_avx512_t(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt) {
   const uint8_t* m = expert_rows(j, e);
@@ -474,7 +595,9 @@ AVX512_TARGET void rows_avx512_t(const Job& j, int64_t e, int64_t o0, int64_t o1
   const int64_t Kr = (j.K + LANES - 1) / LANES * LANES;
   const __m512 fp4 = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
-  for (int64_t o = o0; o < o1; ++o) {
+  int64_t first = o0;
+  if constexpr (WT != MXFP4 && WT != FP8) first = rows_in_flight_avx512<WT>(j, e, o0, o1, toks, nt);
+  for (int64_t o = first; o < o1; ++o) {
     const uint8_t* row = m + o * row_bytes;
     for (int64_t t = 0; t < nt; ++t) {
       const float* x = j.x + toks[t] * j.Kp;
@@ -606,10 +729,11 @@ int64_t wtype_of(const at::Tensor& w, int64_t fmt) {
 // x: [S, K] float32; w: the stack; ids: [S] int64 expert of each pair; fmt: 0 float (w's dtype), 1 FP8 (w uint8
 // bytes [E, O, K], scales float32 [E, R, C], row_block int32 [O], block_k), 2 MXFP4 (w uint8 [E, O, G, 16],
 // scales uint8 [E, O, G]); transposed: float stacks held [E, K, O]; isa: 0 portable, 1 AVX2, 2 AVX-512;
-// pf_l1, pf_l2: prefetch distances in bytes (0: none), -1: default_prefetch()'s for this CPU.
+// pf_l1, pf_l2: prefetch distances in bytes (0: none), pf_rows: rows in flight; -1: default_prefetch()'s for this CPU.
 at::Tensor expert_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ids, int64_t fmt,
                        const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& row_block,
-                       int64_t block_k, bool transposed, int64_t isa, int64_t pf_l1, int64_t pf_l2) {
+                       int64_t block_k, bool transposed, int64_t isa, int64_t pf_l1, int64_t pf_l2,
+                       int64_t pf_rows) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && ids.device().is_cpu(), "expert_gemv: cpu tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "expert_gemv: x must be [S, K] float32");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.size(0) == x.size(0),
@@ -621,6 +745,8 @@ at::Tensor expert_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   TORCH_CHECK(pf_l1 >= -1 && pf_l1 <= MAX_PREFETCH && pf_l2 >= -1 && pf_l2 <= MAX_PREFETCH,
               "expert_gemv: prefetch distances are -1 (this CPU's default) or 0..", MAX_PREFETCH, " bytes, not ",
               pf_l1, " and ", pf_l2);
+  TORCH_CHECK(pf_rows == -1 || pf_rows == 1 || pf_rows == 2 || pf_rows == 4 || pf_rows == 8,
+              "expert_gemv: rows in flight are -1 (this CPU's default), 1, 2, 4 or 8, not ", pf_rows);
   const int64_t wtype = wtype_of(w, fmt);
   const int64_t S = x.size(0), E = w.size(0);
   int64_t O, K;
@@ -702,7 +828,7 @@ at::Tensor expert_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   j.group_expert = gexpert.data();
   j.tiles = transposed ? (O + COL_TILE - 1) / COL_TILE : (O + ROW_TILE - 1) / ROW_TILE;
   const Prefetch cpu = default_prefetch();
-  j.pf = Prefetch{pf_l1 < 0 ? cpu.l1 : pf_l1, pf_l2 < 0 ? cpu.l2 : pf_l2};
+  j.pf = Prefetch{pf_l1 < 0 ? cpu.l1 : pf_l1, pf_l2 < 0 ? cpu.l2 : pf_l2, pf_rows < 0 ? cpu.rows : pf_rows};
 
   const int64_t items = groups * j.tiles;
   at::parallel_for(0, items, 1, [&](int64_t b, int64_t e) { run_items(j, isa, b, e); });
@@ -719,15 +845,15 @@ int64_t best_isa() {
   return PORTABLE;
 }
 
-// This CPU's prefetch distances, [l1, l2] bytes.
+// This CPU's read shape: [l1, l2] bytes ahead, rows in flight.
 std::vector<int64_t> prefetch_distances() {
   const Prefetch p = default_prefetch();
-  return {p.l1, p.l2};
+  return {p.l1, p.l2, p.rows};
 }
 
 TORCH_LIBRARY(moe_offload, m) {
   m.def("expert_gemv(Tensor x, Tensor w, Tensor ids, int fmt, Tensor? scales, Tensor? row_block, int block_k, "
-        "bool transposed, int isa, int pf_l1=-1, int pf_l2=-1) -> Tensor");
+        "bool transposed, int isa, int pf_l1=-1, int pf_l2=-1, int pf_rows=-1) -> Tensor");
   m.def("best_isa() -> int", &best_isa);
   m.def("prefetch_distances() -> int[]", &prefetch_distances);
 }
