@@ -84,6 +84,8 @@ constexpr int64_t MAX_PREFETCH = 65536;
 // lm_head, bf16, 2 MiB pages, Ice Lake server (2-core VM), a standalone loop, best of 8: one row with L1 1024 / L2
 // 4096 11.7 GB/s at one thread, 22.2 at two; 8 rows with L1 256 / no L2 15.6-16.2 and 28.9-30.1; 8 rows with
 // 1024 / 4096 13.2-13.9 (the requests ahead then only compete with the rows' own misses); 2 and 4 rows between.
+// FP8 and MXFP4 rows go one at a time: their decode, not memory, bounds them, and 8 rows together ran slower here
+// (4 of 32 experts, one thread: Qwen3's FP8 gate_up 1.24 -> 1.49 ms, gpt-oss's MXFP4 gate_up 4.15 -> 6.00 ms).
 // Not yet measured on SPR or Zen 4 (the remarks above on interleaving rows predate this loop): AMD's default stays
 // one row with the distances measured there; benchmarks/prefetch_bench.py compares the shapes on any CPU.
 Prefetch default_prefetch() {   // asked of the CPU once, not on every call
