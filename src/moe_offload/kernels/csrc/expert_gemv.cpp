@@ -255,6 +255,25 @@ void cols_portable(const Job& j, const uint8_t* m, const float* x, int64_t o0, i
   }
 }
 
+// A float format's rows [o0, o1) of expert e, j.pf.rows at a time while that many are left: each block of R rows for
+// each pair by `together(R, rows, row_bytes, x, out)` (an ISA path's rows_together); returns the first row not yet
+// computed (the rest go one at a time).
+template <int64_t WT, class F>
+inline int64_t rows_in_flight(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt,
+                              F&& together) {
+  int64_t o = o0;
+  by_rows(j.pf.rows, [&](auto rows) {
+    if constexpr (decltype(rows)::value > 1) {
+      constexpr int R = decltype(rows)::value;
+      const int64_t row_bytes = j.K * elem_bytes(WT);
+      for (; o + R <= o1; o += R)
+        for (int64_t t = 0; t < nt; ++t)
+          together(rows, expert_rows(j, e) + o * row_bytes, row_bytes, j.x + toks[t] * j.Kp, j.out + toks[t] * j.O + o);
+    }
+  });
+  return o;
+}
+
 // ---- AVX2 (+FMA, F16C): the 16 lanes as two 8-lane registers ----------------------------------------------------
 
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
@@ -367,22 +386,6 @@ AVX2_TARGET inline void rows_together_avx2(const uint8_t* m, int64_t row_bytes, 
   for (int r = 0; r < R; ++r) out[r] = reduce_avx2(combine_avx2(lo[r]), combine_avx2(hi[r]));
 }
 
-template <int64_t WT>
-AVX2_TARGET int64_t rows_in_flight_avx2(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt) {
-  int64_t o = o0;
-  by_rows(j.pf.rows, [&](auto rows) {
-    constexpr int R = decltype(rows)::value;
-    if constexpr (R > 1) {
-      const int64_t row_bytes = j.K * elem_bytes(WT), Kr = (j.K + LANES - 1) / LANES * LANES;
-      for (; o + R <= o1; o += R)
-        for (int64_t t = 0; t < nt; ++t)
-          rows_together_avx2<WT, R>(expert_rows(j, e) + o * row_bytes, row_bytes, j.x + toks[t] * j.Kp, j.K, Kr,
-                                    j.out + toks[t] * j.O + o, j.pf);
-    }
-  });
-  return o;
-}
-
 // Rows [o0, o1) of expert e for the pairs `toks` (each row read once for all of them).
 template <int64_t WT>
 AVX2_TARGET void rows_avx2_t(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt) {
@@ -390,7 +393,11 @@ AVX2_TARGET void rows_avx2_t(const Job& j, int64_t e, int64_t o0, int64_t o1, co
   const int64_t row_bytes = WT == MXFP4 ? j.K / 2 : j.K * elem_bytes(WT);
   const int64_t Kr = (j.K + LANES - 1) / LANES * LANES;
   int64_t first = o0;
-  if constexpr (WT != MXFP4 && WT != FP8) first = rows_in_flight_avx2<WT>(j, e, o0, o1, toks, nt);
+  if constexpr (WT != MXFP4 && WT != FP8)
+    first = rows_in_flight<WT>(j, e, o0, o1, toks, nt, [&](auto rows, const uint8_t* m, int64_t rb, const float* x,
+                                                           float* out) {
+      rows_together_avx2<WT, decltype(rows)::value>(m, rb, x, j.K, Kr, out, j.pf);
+    });
   for (int64_t o = first; o < o1; ++o) {
     const uint8_t* row = m + o * row_bytes;
     for (int64_t t = 0; t < nt; ++t) {
@@ -572,24 +579,6 @@ AVX512_TARGET inline void rows_together_avx512(const uint8_t* m, int64_t row_byt
   for (int r = 0; r < R; ++r) out[r] = reduce_avx512(combine_avx512(acc[r]));
 }
 
-// The float formats' rows [o0, o1) of expert e, j.pf.rows at a time while that many are left; returns the first row
-// not yet computed (the rest go one at a time).
-template <int64_t WT>
-AVX512_TARGET int64_t rows_in_flight_avx512(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt) {
-  int64_t o = o0;
-  by_rows(j.pf.rows, [&](auto rows) {
-    constexpr int R = decltype(rows)::value;
-    if constexpr (R > 1) {
-      const int64_t row_bytes = j.K * elem_bytes(WT), Kr = (j.K + LANES - 1) / LANES * LANES;
-      for (; o + R <= o1; o += R)
-        for (int64_t t = 0; t < nt; ++t)
-          rows_together_avx512<WT, R>(expert_rows(j, e) + o * row_bytes, row_bytes, j.x + toks[t] * j.Kp, j.K, Kr,
-                                      j.out + toks[t] * j.O + o, j.pf);
-    }
-  });
-  return o;
-}
-
 template <int64_t WT>
 AVX512_TARGET void rows_avx512_t(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt) {
   const uint8_t* m = expert_rows(j, e);
@@ -598,7 +587,11 @@ AVX512_TARGET void rows_avx512_t(const Job& j, int64_t e, int64_t o0, int64_t o1
   const __m512 fp4 = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
   int64_t first = o0;
-  if constexpr (WT != MXFP4 && WT != FP8) first = rows_in_flight_avx512<WT>(j, e, o0, o1, toks, nt);
+  if constexpr (WT != MXFP4 && WT != FP8)
+    first = rows_in_flight<WT>(j, e, o0, o1, toks, nt, [&](auto rows, const uint8_t* m, int64_t rb, const float* x,
+                                                           float* out) {
+      rows_together_avx512<WT, decltype(rows)::value>(m, rb, x, j.K, Kr, out, j.pf);
+    });
   for (int64_t o = first; o < o1; ++o) {
     const uint8_t* row = m + o * row_bytes;
     for (int64_t t = 0; t < nt; ++t) {
