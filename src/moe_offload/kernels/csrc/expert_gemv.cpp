@@ -83,7 +83,7 @@ constexpr int64_t MAX_PREFETCH = 65536;
 // misses are in flight at once where one row's stream alone leaves the core waiting on memory. Qwen3-30B-A3B's
 // lm_head, bf16, 2 MiB pages, Ice Lake server (2-core VM), a standalone loop, best of 8: one row with L1 1024 / L2
 // 4096 11.7 GB/s at one thread, 22.2 at two; 8 rows with L1 256 / no L2 15.6-16.2 and 28.9-30.1; 8 rows with
-// 1024 / 4096 13.2-13.9 (the requests ahead then only compete with the rows' own misses); 2 and 4 rows between.
+// 1024 / 4096 13.2-13.9; 2 and 4 rows between.
 // FP8 and MXFP4 rows go one at a time: their decode, not memory, bounds them, and 8 rows together ran slower here
 // (4 of 32 experts, one thread: Qwen3's FP8 gate_up 1.24 -> 1.49 ms, gpt-oss's MXFP4 gate_up 4.15 -> 6.00 ms).
 // Not yet measured on SPR or Zen 4 (the remarks above on interleaving rows predate this loop): AMD's default stays
@@ -394,9 +394,9 @@ AVX2_TARGET void rows_avx2_t(const Job& j, int64_t e, int64_t o0, int64_t o1, co
   const int64_t Kr = (j.K + LANES - 1) / LANES * LANES;
   int64_t first = o0;
   if constexpr (WT != MXFP4 && WT != FP8)
-    first = rows_in_flight<WT>(j, e, o0, o1, toks, nt, [&](auto rows, const uint8_t* m, int64_t rb, const float* x,
+    first = rows_in_flight<WT>(j, e, o0, o1, toks, nt, [&](auto rows, const uint8_t* at, int64_t rb, const float* xs,
                                                            float* out) {
-      rows_together_avx2<WT, decltype(rows)::value>(m, rb, x, j.K, Kr, out, j.pf);
+      rows_together_avx2<WT, decltype(rows)::value>(at, rb, xs, j.K, Kr, out, j.pf);
     });
   for (int64_t o = first; o < o1; ++o) {
     const uint8_t* row = m + o * row_bytes;
@@ -588,9 +588,9 @@ AVX512_TARGET void rows_avx512_t(const Job& j, int64_t e, int64_t o0, int64_t o1
                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
   int64_t first = o0;
   if constexpr (WT != MXFP4 && WT != FP8)
-    first = rows_in_flight<WT>(j, e, o0, o1, toks, nt, [&](auto rows, const uint8_t* m, int64_t rb, const float* x,
+    first = rows_in_flight<WT>(j, e, o0, o1, toks, nt, [&](auto rows, const uint8_t* at, int64_t rb, const float* xs,
                                                            float* out) {
-      rows_together_avx512<WT, decltype(rows)::value>(m, rb, x, j.K, Kr, out, j.pf);
+      rows_together_avx512<WT, decltype(rows)::value>(at, rb, xs, j.K, Kr, out, j.pf);
     });
   for (int64_t o = first; o < o1; ++o) {
     const uint8_t* row = m + o * row_bytes;
