@@ -4,7 +4,8 @@
   bits, for every stored format, tails of rows and columns, transposed stacks, shared experts;
 - the bits do not depend on the thread count, on where the stack lies (alignment), on which other pairs share the
   call, or on whether the stack is the whole parameter, the selected experts gathered with renumbered ids, or
-  experts lying at pages of a larger arena (a stack whose experts are stride(0) apart, rows overlapping);
+  experts lying at pages of a larger arena (a stack whose experts are stride(0) apart, rows overlapping), or on
+  whether the experts of a call lie in one stack or several (each pair naming its stack);
 - the values are the products of the stored weights, within float32 rounding of a float64 reference (FP8 and
   MXFP4 against formats/quant_codecs' dequantization);
 - the prefetch distances (this CPU's default or a call's own) change no bit, and the default follows the vendor;
@@ -136,6 +137,37 @@ def test_bits_do_not_depend_on_threads_alignment_or_company():
     assert torch.equal(expert_gemv(x, pages, torch.tensor([starts[e] for e in ids.tolist()])), one)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_experts_in_several_stacks_one_call_the_same_bits(dtype, transposed):
+    """A call over several stacks (the module's parameter, a split tensor's resident stack, a cache arena's pages)
+    gives each pair the bits of that pair computed from its own stack alone, on every path; an expert index that
+    appears in two stacks is two experts."""
+    E, O, K = 5, 70, 130
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(E, O, K, generator=g).to(dtype)
+    part = torch.randn(3, O, K, generator=g).to(dtype)
+    page = O * K // 2                               # the third stack: experts at pages of an arena
+    arena = torch.zeros(9 * page, dtype=dtype)
+    for e, at in enumerate((1, 4)):
+        arena[at * page:at * page + O * K].copy_(part[e].reshape(-1))
+    pages = arena.as_strided(((arena.numel() - O * K) // page + 1, O, K), (page, K, 1))
+    if transposed:      # (the arena's pages hold untransposed rows)
+        stacks = (full.transpose(1, 2).contiguous(), part.transpose(1, 2).contiguous())
+        which, ids = torch.tensor([0, 1, 0, 1, 1, 0]), torch.tensor([3, 0, 3, 1, 2, 4])
+    else:               # the arena's experts start at pages 1 and 4: part's experts 0 and 1
+        stacks = (full, part, pages)
+        which, ids = torch.tensor([0, 1, 0, 2, 1, 2, 0, 1]), torch.tensor([3, 0, 3, 1, 2, 4, 0, 0])
+    x = torch.randn(len(ids), K, generator=g)
+    x[3] = x[1]
+    out = _all_paths(x, stacks, ids, which=which, transposed=transposed)
+    for s in range(len(ids)):
+        alone = expert_gemv(x[s:s + 1], stacks[which[s]], ids[s:s + 1], transposed=transposed)
+        assert torch.equal(out[s:s + 1], alone), f"pair {s} (stack {int(which[s])}, expert {int(ids[s])})"
+    if not transposed:  # part's expert 0 read from its stack and from the arena
+        assert torch.equal(out[1], out[3])
+
+
 def test_prefetch_distances_change_no_bit():
     # a row of 4133 bf16 (8 KiB, past the default distances) and short rows; every stored format, every path
     g = torch.Generator().manual_seed(5)
@@ -192,3 +224,20 @@ def test_bad_arguments_are_refused():
         expert_gemv(x, torch.randn(4, 8, 64)[:, :, ::2], torch.tensor([0, 1]))
     with pytest.raises(RuntimeError, match="unsupported weight dtype"):
         expert_gemv(x, w.to(torch.float64), torch.tensor([0, 1]))
+    two = torch.tensor([0, 1])      # several stacks: each pair's stack named, one dtype and matrix shape
+    with pytest.raises(ValueError, match="needs `which`"):
+        expert_gemv(x, (w, w), two)
+    with pytest.raises(RuntimeError, match="expert id 2 out of range 0..1"):
+        expert_gemv(x, (w, w[:2]), torch.tensor([3, 2]), which=two)
+    with pytest.raises(RuntimeError, match="stack 2 out of range 0..1"):
+        expert_gemv(x, (w, w), two, which=torch.tensor([0, 2]))
+    with pytest.raises(RuntimeError, match="the first's dtype and matrix shape"):
+        expert_gemv(x, (w, w.half()), two, which=two)
+    with pytest.raises(RuntimeError, match="the first's dtype and matrix shape"):
+        expert_gemv(x, (w, torch.randn(4, 9, 32)), two, which=two)
+    with pytest.raises(RuntimeError, match="each expert of the stack must be contiguous"):
+        expert_gemv(x, (w, torch.randn(4, 8, 64)[:, :, ::2]), two, which=two)
+    q = Mxfp4Stack(torch.zeros(4, 8, 1, 16, dtype=torch.uint8), torch.zeros(4, 8, 1, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="only float stacks are read from several stacks"):
+        torch.ops.moe_offload.expert_gemv(x, q.blocks, two, 2, q.scales, None, 0, False, 0, -1, -1, -1, [q.blocks],
+                                          two)

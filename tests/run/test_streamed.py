@@ -5,8 +5,9 @@
   by the reader threads), with a look-ahead, for a family with biases (gpt-oss), one and two threads;
 - the first expert is computed while a later expert's rows are still being read; host-cache hits in one run
   of pages, resident rows of split tensors and wholly resident tensors are read in place (not copied), a miss
-  the host cache admits is read straight into its pages, and the experts in place are one kernel call per stack
-  (and the generation stays bitwise the resident fused one with tensors split or wholly resident);
+  the host cache admits is read straight into its pages, and the experts in place are one kernel call per
+  projection whatever stacks their rows lie in (and the generation stays bitwise the resident fused one with
+  tensors split or wholly resident);
 - `Deferred` issues its jobs in row order, waits only for the rows asked and says which have landed;
 - a checkpoint changed after load is a CheckpointError out of a streamed step, with every read finished.
 
@@ -102,21 +103,21 @@ def test_resident_experts_and_admitted_misses_are_read_where_they_lie(folder, re
                                                                       whole_gate_up):
     """A streamed step reads resident rows (a split tensor's resident stack, a wholly resident parameter) where
     they lie, reads a miss the host cache admits straight into its pages (no store after the read), and computes
-    the experts whose rows are all in place in one kernel call per stack; the generation stays bitwise the resident
-    fused one."""
+    the experts whose rows are all in place in one kernel call per projection, over every stack they lie in; the
+    generation stays bitwise the resident fused one."""
     placed, stores, calls = [], [], []
-    real_place, real_store, real_project = Deferred.place, HostCache.store, streamed.kernel_project
+    real_place, real_store, real_gemv = Deferred.place, HostCache.store, streamed.expert_gemv
     monkeypatch.setattr(Deferred, "place", lambda self, p, name, stack, row: placed.append(stack)
                         or real_place(self, p, name, stack, row))
     box = {}    # the decode steps' stores (a prefill stores the experts it keeps after reading them: gathered)
     monkeypatch.setattr(HostCache, "store", lambda self, pages, row: (box["rt"].decode_step and stores.append(pages))
                         or real_store(self, pages, row))
 
-    def counted(*a):           # the streamed step's kernel calls: the pairs of each
-        project = real_project(*a)
-        return lambda name, ids, x: calls.append(len(ids)) or project(name, ids, x)
+    def counted(x, stack, ids, **kw):    # the streamed step's kernel calls: (pairs, stacks read) of each
+        calls.append((len(ids), len(stack) if isinstance(stack, tuple) else 1))
+        return real_gemv(x, stack, ids, **kw)
 
-    monkeypatch.setattr(streamed, "kernel_project", counted)
+    monkeypatch.setattr(streamed, "expert_gemv", counted)
     path = folder("qwen3_moe")
     ids, (want_seq, want_logits) = resident[1]("qwen3_moe")
     with load(path, plan=resident_and_on_disk(path, whole_gate_up), experts="fused", host_cache_gb=0.001) as loaded:
@@ -127,7 +128,8 @@ def test_resident_experts_and_admitted_misses_are_read_where_they_lie(folder, re
     assert steps and stats["host_cache_misses"] > 0 and stats["host_cache_hits"] > 0, stats
     assert any(any(stack is r for r in splits) for stack in placed), "no resident row was read in place"
     assert len(stores) < stats["host_cache_misses"], (len(stores), stats)   # admitted misses read into their pages
-    assert max(calls) > 1, "the experts in place were computed one call each"
+    assert max(n for n, _ in calls) > 1, "the experts in place were computed one call each"
+    assert max(k for _, k in calls) > 1, "no call read rows lying in two stacks"
     assert torch.equal(seq, want_seq)
     assert torch.equal(logits, want_logits), f"max |diff| {(logits.float() - want_logits.float()).abs().max()}"
 

@@ -113,7 +113,8 @@ def kernels(*, progress=None) -> str:
 def _register_fake() -> None:
     """Shapes for torch.compile: the operator is opaque to inductor, called as is from a compiled step."""
     @torch.library.register_fake("moe_offload::expert_gemv")
-    def _(x, w, ids, fmt, scales, row_block, block_k, transposed, isa, pf_l1=-1, pf_l2=-1, pf_rows=-1):
+    def _(x, w, ids, fmt, scales, row_block, block_k, transposed, isa, pf_l1=-1, pf_l2=-1, pf_rows=-1, more=None,
+          which=None):
         if fmt == 2:
             rows = w.shape[1]
         else:

@@ -2,10 +2,14 @@
 
     out = expert_gemv(x, stack, ids)                       # out[s, o] = sum_i stack[ids[s]][o, i] * x[s, i]
 
+    out = expert_gemv(x, (stack_a, stack_b), rows, which=which)   # pair s: expert rows[s] of stack which[s]
+
 `stack` is an expert stack as it lies: float32 / bfloat16 / float16 [E, O, K] (or [E, K, O] with
 `transposed=True`), an `Fp8Stack` (e4m3 values [E, O, K] and float32 block scales) or an `Mxfp4Stack` (e2m1
 blocks [E, O, K/32, 16] and e8m0 scales [E, O, K/32]). The result is float32 [S, O]; the caller rounds it to
-its dtype. Only the experts named in `ids` are read, each once for all the pairs that picked it.
+its dtype. Only the experts named in `ids` are read, each once for all the pairs that picked it. Float stacks of
+one dtype and matrix shape may be read in one call (a tuple of them, `which` naming each pair's): the experts of
+a layer lying in several places (the module's parameter, a cache's arena) cost one call, not one per place.
 
 The arithmetic is defined in the source's header and computed identically by its AVX-512, AVX2 and portable
 paths: `Isa` picks one (default: the best this CPU runs, capped by torch's own `ATEN_CPU_CAPABILITY`, so the
@@ -101,10 +105,11 @@ def prefetch_distances() -> Prefetch:
 
 
 def expert_gemv(x: torch.Tensor, stack, ids: torch.Tensor, *, transposed: bool = False,
-                isa: Isa | None = None, prefetch: Prefetch | None = None) -> torch.Tensor:
-    """float32 [S, O]: x [S, K] (any float dtype) through expert ids[s] of `stack` for each s. Inside a compiled
-    step give `isa` (best_isa() once, outside): the query is opaque to torch.compile. `prefetch` overrides this
-    CPU's distances (benchmarks compare them in one process)."""
+                isa: Isa | None = None, prefetch: Prefetch | None = None,
+                which: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [S, O]: x [S, K] (any float dtype) through expert ids[s] of `stack` for each s (`stack` a tuple of
+    float stacks: of stack[which[s]]). Inside a compiled step give `isa` (best_isa() once, outside): the query is
+    opaque to torch.compile. `prefetch` overrides this CPU's distances (benchmarks compare them in one process)."""
     if isa is None:
         isa = best_isa()
     elif not torch.compiler.is_compiling():
@@ -118,4 +123,9 @@ def expert_gemv(x: torch.Tensor, stack, ids: torch.Tensor, *, transposed: bool =
         return op(x, values, ids, 1, stack.scales.float(), stack.row_block, stack.block_k, False, int(isa), *pf)
     if isinstance(stack, Mxfp4Stack):
         return op(x, stack.blocks, ids, 2, stack.scales, None, 0, False, int(isa), *pf)
+    if isinstance(stack, (tuple, list)):
+        if which is None or not stack:
+            raise ValueError("expert_gemv over several stacks needs `which`, the stack of each pair")
+        return op(x, stack[0], ids, 0, None, None, 0, transposed, int(isa), *pf, list(stack[1:]),
+                  which.reshape(-1).long())
     return op(x, stack, ids, 0, None, None, 0, transposed, int(isa), *pf)

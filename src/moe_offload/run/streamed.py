@@ -12,9 +12,9 @@ admits into one run of pages is read straight into them. The caller's thread mea
 rows are all in place at once, then each of the others as soon as its rows have landed:
 
     plan, charge; execute (look-ahead rows copied, hits in one run and resident rows placed, the rest queued), start
-    the experts with nothing queued: their (token, expert) pairs by the CPU kernels, one call per projection and
-        stack the rows lie in (the module's parameter, a split tensor's resident stack, the host cache's arena
-        seen as a stack of rows starting at every page, the gathered buffer), grouped.pair_outputs
+    the experts with nothing queued: their (token, expert) pairs by the CPU kernels, one call per projection over
+        every stack the rows lie in (the module's parameter, a split tensor's resident stack, the host cache's
+        arena seen as a stack of rows starting at every page, the gathered buffer), grouped.pair_outputs
     each other expert, in the order its rows are read: wait for them; its pairs likewise, with those of the experts
         whose rows have landed meanwhile
     every token's pairs summed in slot order (grouped.sum_pairs)
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import expert_gemv
 from .fused import kernel_project
 from .grouped import pair_outputs, sum_pairs
 from .read_executor import Deferred, execute_sides
@@ -106,14 +107,18 @@ def _sources(module, state, ids: list[int], staged: dict, deferred: Deferred) ->
 
 
 def _project(module, sources: dict[str, list], quant: dict, isa):
-    """grouped.pair_outputs's `project` over `sources`: ids are positions of the selection; fused.kernel_project's
-    call once per stack their rows lie in (each pair is computed on its own, so the grouping changes no bit). A
-    quantized projection reads its values and its scales: one call per pair of stacks where each expert's rows have
-    the same index in both and the scales are one contiguous stack (the kernel reads scales so), else one per expert
-    on its own one-row stacks."""
+    """grouped.pair_outputs's `project` over `sources`: ids are positions of the selection. A float projection is
+    one kernel call over every stack its rows lie in (each pair names its stack; each pair is computed on its own,
+    so where its rows lie changes no bit). A quantized projection reads its values and its scales: one call
+    (fused.kernel_project's) per pair of stacks where each expert's rows have the same index in both and the scales
+    are one contiguous stack (the kernel reads scales so), else one per expert on its own one-row stacks."""
+    transposed = bool(getattr(module, "is_transposed", False))
+
     def project(name: str, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q = quant.get(name)
-        names = (name,) if q is None else (name, q.scale_local)
+        if q is None:
+            return _float_project(sources[name], ids, x, transposed, isa)
+        names = (name, q.scale_local)
         groups: dict[tuple, tuple[dict, list[int], list[int]]] = {}
         for i, p in enumerate(ids.tolist()):
             where = [sources[n][p] for n in names]
@@ -128,8 +133,7 @@ def _project(module, sources: dict[str, list], quant: dict, isa):
             g[2].append(row)
 
         def on(stacks, rows, xs):
-            return kernel_project(module, stacks, {name: q} if q is not None else {}, isa)(name, torch.tensor(rows),
-                                                                                           xs)
+            return kernel_project(module, stacks, {name: q}, isa)(name, torch.tensor(rows), xs)
 
         if len(groups) == 1:
             stacks, _, rows = next(iter(groups.values()))
@@ -144,3 +148,20 @@ def _project(module, sources: dict[str, list], quant: dict, isa):
         return out
 
     return project
+
+
+def _float_project(where: list, ids: torch.Tensor, x: torch.Tensor, transposed: bool, isa) -> torch.Tensor:
+    """x [S, K] through the expert at position ids[s] of `where` ((stack, row) per position): one kernel call over
+    the stacks those rows lie in, in x's dtype."""
+    stacks, index, rows, which = [], {}, [], []
+    for stack, row in (where[p] for p in ids.tolist()):
+        i = index.setdefault(id(stack), len(stacks))
+        if i == len(stacks):
+            stacks.append(stack)
+        rows.append(row)
+        which.append(i)
+    if len(stacks) == 1:
+        y = expert_gemv(x, stacks[0], torch.tensor(rows), transposed=transposed, isa=isa)
+    else:
+        y = expert_gemv(x, tuple(stacks), torch.tensor(rows), which=torch.tensor(which), transposed=transposed, isa=isa)
+    return y.to(x.dtype)

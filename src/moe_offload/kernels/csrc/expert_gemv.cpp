@@ -26,7 +26,9 @@
 //   - transposed (float formats only): out[o] = fma(w[i, o], x[i], out[o]) in order of i.
 // Work is split over output rows (torch's intra-op threads, at::parallel_for): each output value is computed by
 // one thread in the order above, so the thread count never changes a bit. Pairs that pick the same expert are
-// computed together, each row read from memory once for all of them.
+// computed together, each row read from memory once for all of them. A call may read float experts lying in
+// several stacks (`more`, with `which` naming each pair's): a layer whose experts lie in its parameter and in a
+// cache's arena is one call per projection, not one per stack.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -41,6 +43,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -111,9 +114,7 @@ inline void by_rows(int64_t rows, F&& f) {
 #endif
 
 struct Job {
-  const uint8_t* w;          // stack base
   int64_t wtype;
-  int64_t w_expert_bytes;    // bytes of one expert's matrix
   int64_t O, K;              // output rows, input length
   bool transposed;
   const float* x;            // [S, Kp] float32 (zero padded to Kp; MXFP4: each group of 32 as 16 even, 16 odd)
@@ -126,7 +127,8 @@ struct Job {
   float* out;                // [S, O]
   const int64_t* order;      // pair indices sorted by expert
   const int64_t* group_start;    // [G + 1] into order
-  const int64_t* group_expert;   // [G]
+  const int64_t* group_expert;   // [G] the expert's index in its stack (FP8 and MXFP4 scales are indexed so)
+  const uint8_t* const* group_matrix;   // [G] where that expert's matrix lies
   int64_t tiles;                 // work items per group
   Prefetch pf;                   // distances ahead of the read position
 };
@@ -154,8 +156,6 @@ inline float reduce16(const float* a) {
   for (int j = 0; j < 2; ++j) s2[j] = s4[j] + s4[j + 2];
   return s2[0] + s2[1];
 }
-
-inline const uint8_t* expert_rows(const Job& j, int64_t e) { return j.w + e * j.w_expert_bytes; }
 
 // Calls f(std::integral_constant<int64_t, WT>{}) for the job's weight type: the one place the run-time type becomes
 // the template argument of an ISA path's row kernel (each path's dispatcher is then one line).
@@ -255,11 +255,11 @@ void cols_portable(const Job& j, const uint8_t* m, const float* x, int64_t o0, i
   }
 }
 
-// A float format's rows [o0, o1) of expert e, j.pf.rows at a time while that many are left: each block of R rows for
-// each pair by `together(R, rows, row_bytes, x, out)` (an ISA path's rows_together); returns the first row not yet
-// computed (the rest go one at a time).
+// A float format's rows [o0, o1) of the expert whose matrix is at m, j.pf.rows at a time while that many are left:
+// each block of R rows for each pair by `together(R, rows, row_bytes, x, out)` (an ISA path's rows_together);
+// returns the first row not yet computed (the rest go one at a time).
 template <int64_t WT, class F>
-inline int64_t rows_in_flight(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt,
+inline int64_t rows_in_flight(const Job& j, const uint8_t* m, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt,
                               F&& together) {
   int64_t o = o0;
   by_rows(j.pf.rows, [&](auto rows) {
@@ -268,7 +268,7 @@ inline int64_t rows_in_flight(const Job& j, int64_t e, int64_t o0, int64_t o1, c
       const int64_t row_bytes = j.K * elem_bytes(WT);
       for (; o + R <= o1; o += R)
         for (int64_t t = 0; t < nt; ++t)
-          together(rows, expert_rows(j, e) + o * row_bytes, row_bytes, j.x + toks[t] * j.Kp, j.out + toks[t] * j.O + o);
+          together(rows, m + o * row_bytes, row_bytes, j.x + toks[t] * j.Kp, j.out + toks[t] * j.O + o);
     }
   });
   return o;
@@ -386,15 +386,15 @@ AVX2_TARGET inline void rows_together_avx2(const uint8_t* m, int64_t row_bytes, 
   for (int r = 0; r < R; ++r) out[r] = reduce_avx2(combine_avx2(lo[r]), combine_avx2(hi[r]));
 }
 
-// Rows [o0, o1) of expert e for the pairs `toks` (each row read once for all of them).
+// Rows [o0, o1) of expert e (its matrix at m) for the pairs `toks` (each row read once for all of them).
 template <int64_t WT>
-AVX2_TARGET void rows_avx2_t(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt) {
-  const uint8_t* m = expert_rows(j, e);
+AVX2_TARGET void rows_avx2_t(const Job& j, int64_t e, const uint8_t* m, int64_t o0, int64_t o1, const int64_t* toks,
+                             int64_t nt) {
   const int64_t row_bytes = WT == MXFP4 ? j.K / 2 : j.K * elem_bytes(WT);
   const int64_t Kr = (j.K + LANES - 1) / LANES * LANES;
   int64_t first = o0;
   if constexpr (WT != MXFP4 && WT != FP8)
-    first = rows_in_flight<WT>(j, e, o0, o1, toks, nt, [&](auto rows, const uint8_t* at, int64_t rb, const float* xs,
+    first = rows_in_flight<WT>(j, m, o0, o1, toks, nt, [&](auto rows, const uint8_t* at, int64_t rb, const float* xs,
                                                            float* out) {
       rows_together_avx2<WT, decltype(rows)::value>(at, rb, xs, j.K, Kr, out, j.pf);
     });
@@ -444,8 +444,8 @@ AVX2_TARGET void rows_avx2_t(const Job& j, int64_t e, int64_t o0, int64_t o1, co
   }
 }
 
-void rows_avx2(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt) {
-  by_wtype(j.wtype, [&](auto wt) { rows_avx2_t<decltype(wt)::value>(j, e, o0, o1, toks, nt); });
+void rows_avx2(const Job& j, int64_t e, const uint8_t* m, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt) {
+  by_wtype(j.wtype, [&](auto wt) { rows_avx2_t<decltype(wt)::value>(j, e, m, o0, o1, toks, nt); });
 }
 
 // Transposed: the tile's columns [o0, o1) of every row i in turn, each row's span read contiguously, the
@@ -580,15 +580,15 @@ AVX512_TARGET inline void rows_together_avx512(const uint8_t* m, int64_t row_byt
 }
 
 template <int64_t WT>
-AVX512_TARGET void rows_avx512_t(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt) {
-  const uint8_t* m = expert_rows(j, e);
+AVX512_TARGET void rows_avx512_t(const Job& j, int64_t e, const uint8_t* m, int64_t o0, int64_t o1,
+                                 const int64_t* toks, int64_t nt) {
   const int64_t row_bytes = WT == MXFP4 ? j.K / 2 : j.K * elem_bytes(WT);
   const int64_t Kr = (j.K + LANES - 1) / LANES * LANES;
   const __m512 fp4 = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
   int64_t first = o0;
   if constexpr (WT != MXFP4 && WT != FP8)
-    first = rows_in_flight<WT>(j, e, o0, o1, toks, nt, [&](auto rows, const uint8_t* at, int64_t rb, const float* xs,
+    first = rows_in_flight<WT>(j, m, o0, o1, toks, nt, [&](auto rows, const uint8_t* at, int64_t rb, const float* xs,
                                                            float* out) {
       rows_together_avx512<WT, decltype(rows)::value>(at, rb, xs, j.K, Kr, out, j.pf);
     });
@@ -631,8 +631,8 @@ AVX512_TARGET void rows_avx512_t(const Job& j, int64_t e, int64_t o0, int64_t o1
   }
 }
 
-void rows_avx512(const Job& j, int64_t e, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt) {
-  by_wtype(j.wtype, [&](auto wt) { rows_avx512_t<decltype(wt)::value>(j, e, o0, o1, toks, nt); });
+void rows_avx512(const Job& j, int64_t e, const uint8_t* m, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt) {
+  by_wtype(j.wtype, [&](auto wt) { rows_avx512_t<decltype(wt)::value>(j, e, m, o0, o1, toks, nt); });
 }
 
 template <int64_t WT>
@@ -682,26 +682,27 @@ void run_items(const Job& j, int64_t isa, int64_t begin, int64_t end) {
   for (int64_t it = begin; it < end; ++it) {
     const int64_t grp = it / j.tiles, tile = it % j.tiles;
     const int64_t e = j.group_expert[grp];
+    const uint8_t* m = j.group_matrix[grp];
     const int64_t* toks = j.order + j.group_start[grp];
     const int64_t nt = j.group_start[grp + 1] - j.group_start[grp];
     if (!j.transposed) {
       const int64_t o0 = tile * ROW_TILE, o1 = std::min(o0 + ROW_TILE, j.O);
-      if (isa == AVX512) rows_avx512(j, e, o0, o1, toks, nt);
-      else if (isa == AVX2) rows_avx2(j, e, o0, o1, toks, nt);
+      if (isa == AVX512) rows_avx512(j, e, m, o0, o1, toks, nt);
+      else if (isa == AVX2) rows_avx2(j, e, m, o0, o1, toks, nt);
       else {
         const int64_t row_bytes = j.wtype == MXFP4 ? j.K / 2 : j.K * elem_bytes(j.wtype);
         for (int64_t o = o0; o < o1; ++o)
           for (int64_t t = 0; t < nt; ++t)
-            j.out[toks[t] * j.O + o] = row_portable(j, expert_rows(j, e) + o * row_bytes, j.x + toks[t] * j.Kp, e, o);
+            j.out[toks[t] * j.O + o] = row_portable(j, m + o * row_bytes, j.x + toks[t] * j.Kp, e, o);
       }
     } else {
       const int64_t o0 = tile * COL_TILE, o1 = std::min(o0 + COL_TILE, j.O);
       for (int64_t t = 0; t < nt; ++t) {
         const float* x = j.x + toks[t] * j.Kp;
         float* out = j.out + toks[t] * j.O;
-        if (isa == AVX512) cols_avx512(j, expert_rows(j, e), x, o0, o1, out);
-        else if (isa == AVX2) cols_avx2(j, expert_rows(j, e), x, o0, o1, out);
-        else cols_portable(j, expert_rows(j, e), x, o0, o1, out);
+        if (isa == AVX512) cols_avx512(j, m, x, o0, o1, out);
+        else if (isa == AVX2) cols_avx2(j, m, x, o0, o1, out);
+        else cols_portable(j, m, x, o0, o1, out);
       }
     }
   }
@@ -724,19 +725,31 @@ int64_t wtype_of(const at::Tensor& w, int64_t fmt) {
 // x: [S, K] float32; w: the stack; ids: [S] int64 expert of each pair; fmt: 0 float (w's dtype), 1 FP8 (w uint8
 // bytes [E, O, K], scales float32 [E, R, C], row_block int32 [O], block_k), 2 MXFP4 (w uint8 [E, O, G, 16],
 // scales uint8 [E, O, G]); transposed: float stacks held [E, K, O]; isa: 0 portable, 1 AVX2, 2 AVX-512;
-// pf_l1, pf_l2: prefetch distances in bytes (0: none), pf_rows: rows in flight; -1: default_prefetch()'s for this CPU.
+// pf_l1, pf_l2: prefetch distances in bytes (0: none), pf_rows: rows in flight; -1: default_prefetch()'s for this CPU;
+// more, which: further float stacks of w's dtype and matrix shape, and [S] int64 the stack of each pair (0: w,
+// i: more[i - 1]; ids[s] is then its expert in that stack): one call reads experts lying in several stacks.
 at::Tensor expert_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ids, int64_t fmt,
                        const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& row_block,
                        int64_t block_k, bool transposed, int64_t isa, int64_t pf_l1, int64_t pf_l2,
-                       int64_t pf_rows) {
+                       int64_t pf_rows, c10::optional<at::TensorList> more, const c10::optional<at::Tensor>& which) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && ids.device().is_cpu(), "expert_gemv: cpu tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "expert_gemv: x must be [S, K] float32");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.size(0) == x.size(0),
               "expert_gemv: ids must be [S] int64");
-  // Each expert's matrix contiguous; the experts w.stride(0) elements apart (a contiguous stack, or a view whose
+  TORCH_CHECK(more.has_value() == which.has_value(), "expert_gemv: more stacks come with `which`, the stack of each pair");
+  std::vector<at::Tensor> stacks{w};
+  for (const auto& m : more.value_or(at::TensorList())) {
+    TORCH_CHECK(fmt == 0, "expert_gemv: only float stacks are read from several stacks in one call");
+    TORCH_CHECK(m.device().is_cpu() && m.scalar_type() == w.scalar_type() && m.dim() == w.dim() &&
+                m.sizes().slice(1) == w.sizes().slice(1),
+                "expert_gemv: every stack of a call has the first's dtype and matrix shape");
+    stacks.push_back(m);
+  }
+  // Each expert's matrix contiguous; the experts stride(0) elements apart (a contiguous stack, or a view whose
   // experts start at every page of a cache arena: rows may overlap, they are only read).
-  TORCH_CHECK(w.dim() >= 1 && (w.size(0) <= 1 ? w.is_contiguous() : w.stride(0) > 0 && w[0].is_contiguous()),
-              "expert_gemv: each expert of the stack must be contiguous");
+  for (const auto& st : stacks)
+    TORCH_CHECK(st.dim() >= 1 && (st.size(0) <= 1 ? st.is_contiguous() : st.stride(0) > 0 && st[0].is_contiguous()),
+                "expert_gemv: each expert of the stack must be contiguous");
   TORCH_CHECK(pf_l1 >= -1 && pf_l1 <= MAX_PREFETCH && pf_l2 >= -1 && pf_l2 <= MAX_PREFETCH,
               "expert_gemv: prefetch distances are -1 (this CPU's default) or 0..", MAX_PREFETCH, " bytes, not ",
               pf_l1, " and ", pf_l2);
@@ -762,7 +775,19 @@ at::Tensor expert_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 
   auto ids_c = ids.contiguous();
   const int64_t* idp = ids_c.data_ptr<int64_t>();
-  for (int64_t s = 0; s < S; ++s) TORCH_CHECK(idp[s] >= 0 && idp[s] < E, "expert_gemv: expert id ", idp[s], " out of range 0..", E - 1);
+  std::vector<int64_t> stack_of(S, 0);
+  if (which.has_value()) {
+    TORCH_CHECK(which->dim() == 1 && which->scalar_type() == at::kLong && which->size(0) == S && which->is_cpu(),
+                "expert_gemv: which must be [S] int64");
+    auto wc = which->contiguous();
+    std::memcpy(stack_of.data(), wc.data_ptr<int64_t>(), S * sizeof(int64_t));
+  }
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = static_cast<int64_t>(stacks.size());
+    TORCH_CHECK(stack_of[s] >= 0 && stack_of[s] < n, "expert_gemv: stack ", stack_of[s], " out of range 0..", n - 1);
+    const int64_t En = stacks[stack_of[s]].size(0);
+    TORCH_CHECK(idp[s] >= 0 && idp[s] < En, "expert_gemv: expert id ", idp[s], " out of range 0..", En - 1);
+  }
 
   // x zero padded to a multiple of 16 (MXFP4: each group of 32 as its 16 even then its 16 odd values)
   const int64_t Kp = (K + LANES - 1) / LANES * LANES;
@@ -779,20 +804,25 @@ at::Tensor expert_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       std::memcpy(d, r, K * sizeof(float));
   }
 
-  // pairs grouped by expert, in ascending expert then pair order
+  // pairs grouped by expert, in ascending stack, expert, then pair order
   std::vector<int64_t> order(S);
   for (int64_t s = 0; s < S; ++s) order[s] = s;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return idp[a] < idp[b]; });
+  auto key = [&](int64_t s) { return std::make_pair(stack_of[s], idp[s]); };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return key(a) < key(b); });
   std::vector<int64_t> gstart, gexpert;
+  std::vector<const uint8_t*> gmatrix;
   for (int64_t i = 0; i < S; ++i)
-    if (i == 0 || idp[order[i]] != idp[order[i - 1]]) { gstart.push_back(i); gexpert.push_back(idp[order[i]]); }
+    if (i == 0 || key(order[i]) != key(order[i - 1])) {
+      const at::Tensor& st = stacks[stack_of[order[i]]];
+      gstart.push_back(i);
+      gexpert.push_back(idp[order[i]]);
+      gmatrix.push_back(static_cast<const uint8_t*>(st.data_ptr()) + idp[order[i]] * st.stride(0) * st.element_size());
+    }
   gstart.push_back(S);
   const int64_t groups = static_cast<int64_t>(gexpert.size());
 
   Job j{};
-  j.w = static_cast<const uint8_t*>(w.data_ptr());
   j.wtype = wtype;
-  j.w_expert_bytes = w.stride(0) * w.element_size();
   j.O = O; j.K = K; j.transposed = transposed;
   j.x = xp.data(); j.Kp = Kp;
   at::Tensor sc;
@@ -821,6 +851,7 @@ at::Tensor expert_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   j.order = order.data();
   j.group_start = gstart.data();
   j.group_expert = gexpert.data();
+  j.group_matrix = gmatrix.data();
   j.tiles = transposed ? (O + COL_TILE - 1) / COL_TILE : (O + ROW_TILE - 1) / ROW_TILE;
   const Prefetch cpu = default_prefetch();
   j.pf = Prefetch{pf_l1 < 0 ? cpu.l1 : pf_l1, pf_l2 < 0 ? cpu.l2 : pf_l2, pf_rows < 0 ? cpu.rows : pf_rows};
@@ -848,7 +879,8 @@ std::vector<int64_t> prefetch_distances() {
 
 TORCH_LIBRARY(moe_offload, m) {
   m.def("expert_gemv(Tensor x, Tensor w, Tensor ids, int fmt, Tensor? scales, Tensor? row_block, int block_k, "
-        "bool transposed, int isa, int pf_l1=-1, int pf_l2=-1, int pf_rows=-1) -> Tensor");
+        "bool transposed, int isa, int pf_l1=-1, int pf_l2=-1, int pf_rows=-1, Tensor[]? more=None, Tensor? which=None) "
+        "-> Tensor");
   m.def("best_isa() -> int", &best_isa);
   m.def("prefetch_distances() -> int[]", &prefetch_distances);
 }
