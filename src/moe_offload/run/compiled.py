@@ -15,7 +15,12 @@ Where the graph breaks (routing is data-dependent):
   device cache, the disk tier, quantized: experts.py `ExpertsState.gather`) breaks the graph at its
   gather, which runs eagerly; the compute after it is traced again;
 - the disk tier's dense reads;
-- an offloaded embedding table's staging hooks (state.py `hook_staged_embedding`) run eagerly at the graph's start.
+- an offloaded embedding table's staging hooks (state.py `hook_staged_embedding`) run eagerly before the graph:
+  the runtime's hook looks the call's ids up before the model's forward and calls it with `inputs_embeds`
+  (`decoding`). Inside the forward, the lookup broke the graph where dynamo cannot resume (transformers'
+  output-capturing wrapper), and the model's body ran eagerly: at 55% of Qwen3-30B-A3B's layer x 8 (its embedding
+  on the disk tier), two threads, compiled and eager steps alternated in one process (ITL p50 of 20 tokens):
+  92-100 ms compiled against 100-104 eager before (3 pairs), 78-85 against 84-108 after (5 pairs).
 
 Not a break: a CPU-only disk-tier decode step with the fused kernels streams its experts (streamed.py
 `streamed_step`: reader threads, each expert computed as its rows land) inside one opaque node of the graph, the
@@ -32,6 +37,8 @@ its cache directory), so a second process compiles faster.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -71,15 +78,25 @@ def compile_kwargs(model) -> dict:
     return {"cache_implementation": "static", "compile_config": compile_config(runtime_of(model).device)}
 
 
+@contextlib.contextmanager
 def decoding(model):
     """The context a compiled generate runs in: dynamo may compile each decoder layer's frame apart (a gather
     breaks the graph inside it, and its layer index is guarded on), so the recompile limit (8 by default, past
-    which frames run uncompiled with only a warning) is raised to cover every layer, for these calls only."""
+    which frames run uncompiled with only a warning) is raised to cover every layer, for these calls only. An input
+    embedding staged by rows is looked up by the runtime's hook before the model's forward (runtime.py
+    `_embedded`): the forward is then called with `inputs_embeds` in place of `input_ids`, so hooks a user put on
+    the model see them so, in these calls only."""
     layers = getattr(model.config, "num_hidden_layers", None) or getattr(
         getattr(model.config, "text_config", None), "num_hidden_layers", 0) or 0
+    rt = runtime_of(model)
     # Frames are code objects shared by every model of a class in the process: each load's graphs add entries, and
     # past the limit a frame runs uncompiled (only a warning), so leave room for several loads.
-    return torch._dynamo.config.patch(recompile_limit=8 * layers + 64)
+    with torch._dynamo.config.patch(recompile_limit=8 * layers + 64):
+        rt.embed_first = True
+        try:
+            yield
+        finally:
+            rt.embed_first = False
 
 
 def compile_seconds(step_s: list[float]) -> float:

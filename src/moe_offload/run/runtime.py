@@ -106,6 +106,7 @@ class Runtime(RunState):
                          host_cache=host_cache, lookahead=lookahead, host_compute=host_compute)
         self.model = model
         self.edges: GraphEdges | None = None   # the streamed experts steps as operators of a compiled step
+        self.embed_first = False   # a staged input embedding looked up before the model's forward (_embedded)
         self.arena = arena
         self.host_names = dict(host_names)  # in-memory name -> tier ("host"/"disk"), tracked by name
         # name -> the host-memory tensor behind an offloaded weight (the model may hold a uva view of it)
@@ -299,6 +300,25 @@ class Runtime(RunState):
             self.host_cache.policy.begin_step()
         if self.lookahead is not None:
             self.lookahead.settle()
+        return self._embedded(args, kwargs) if self.embed_first else None
+
+    def _embedded(self, args, kwargs):
+        """The call's arguments with its token ids looked up here, at the step's start, when the model's input
+        embedding is staged by rows (the disk tier's or the prefetch backend's table): `inputs_embeds` in place of
+        `input_ids`. Done while a compiled decode runs (compiled.decoding sets `embed_first`): the staged lookup
+        (reads, hooks) is eager Python, and inside the model's forward it broke the graph where dynamo cannot resume
+        (transformers' output-capturing wrapper), so the model's body ran eagerly. The same lookup either way."""
+        embed = self.model.get_input_embeddings()
+        if not any(embed is m for m in self.staged_embeddings) or kwargs.get("inputs_embeds") is not None:
+            return None
+        positional = "input_ids" not in kwargs and bool(args)
+        ids = args[0] if positional else kwargs.get("input_ids")
+        if ids is None:
+            return None
+        kwargs = {**kwargs, "inputs_embeds": embed(ids)}
+        if positional:
+            return (None, *args[1:]), kwargs
+        return args, {**kwargs, "input_ids": None}
 
     @torch.compiler.disable
     def _top_post(self, module, args, kwargs, output):

@@ -132,6 +132,7 @@ class RunState:
         self.dequantizer = dequantizer
         self.handles: list = []   # every hook the readers registered, removed at detach
         self.staged_params = StagedParameters()   # the Parameters staged copies are bound to during a call
+        self.staged_embeddings: list[nn.Module] = []   # embeddings whose tables are staged by rows for each call
         self._staging: dict[tuple, torch.Tensor] = {}
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -182,6 +183,7 @@ class RunState:
 
         self.handles.append(mod.register_forward_pre_hook(pre))
         self.handles.append(mod.register_forward_hook(post))
+        self.staged_embeddings.append(mod)
 
     def stage_rows(self, host: torch.Tensor, rows: list[int], *, key: str) -> torch.Tensor:
         """Copy host[rows] into a reused device buffer, one per `key` (a tensor's local name, so two tensors
