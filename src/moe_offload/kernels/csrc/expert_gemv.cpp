@@ -259,8 +259,8 @@ void cols_portable(const Job& j, const uint8_t* m, const float* x, int64_t o0, i
 // each block of R rows for each pair by `together(R, rows, row_bytes, x, out)` (an ISA path's rows_together);
 // returns the first row not yet computed (the rest go one at a time).
 template <int64_t WT, class F>
-inline int64_t rows_in_flight(const Job& j, const uint8_t* m, int64_t o0, int64_t o1, const int64_t* toks, int64_t nt,
-                              F&& together) {
+inline int64_t rows_in_flight(const Job& j, const uint8_t* m, int64_t o0, int64_t o1, const int64_t* toks,
+                              int64_t nt, F&& together) {
   int64_t o = o0;
   by_rows(j.pf.rows, [&](auto rows) {
     if constexpr (decltype(rows)::value > 1) {
@@ -736,7 +736,8 @@ at::Tensor expert_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "expert_gemv: x must be [S, K] float32");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.size(0) == x.size(0),
               "expert_gemv: ids must be [S] int64");
-  TORCH_CHECK(more.has_value() == which.has_value(), "expert_gemv: more stacks come with `which`, the stack of each pair");
+  TORCH_CHECK(more.has_value() == which.has_value(),
+              "expert_gemv: more stacks come with `which`, the stack of each pair");
   std::vector<at::Tensor> stacks{w};
   for (const auto& m : more.value_or(at::TensorList())) {
     TORCH_CHECK(fmt == 0, "expert_gemv: only float stacks are read from several stacks in one call");
@@ -816,7 +817,8 @@ at::Tensor expert_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       const at::Tensor& st = stacks[stack_of[order[i]]];
       gstart.push_back(i);
       gexpert.push_back(idp[order[i]]);
-      gmatrix.push_back(static_cast<const uint8_t*>(st.data_ptr()) + idp[order[i]] * st.stride(0) * st.element_size());
+      const int64_t at = idp[order[i]] * st.stride(0) * st.element_size();
+      gmatrix.push_back(static_cast<const uint8_t*>(st.data_ptr()) + at);
     }
   gstart.push_back(S);
   const int64_t groups = static_cast<int64_t>(gexpert.size());
@@ -879,8 +881,8 @@ std::vector<int64_t> prefetch_distances() {
 
 TORCH_LIBRARY(moe_offload, m) {
   m.def("expert_gemv(Tensor x, Tensor w, Tensor ids, int fmt, Tensor? scales, Tensor? row_block, int block_k, "
-        "bool transposed, int isa, int pf_l1=-1, int pf_l2=-1, int pf_rows=-1, Tensor[]? more=None, Tensor? which=None) "
-        "-> Tensor");
+        "bool transposed, int isa, int pf_l1=-1, int pf_l2=-1, int pf_rows=-1, Tensor[]? more=None, "
+        "Tensor? which=None) -> Tensor");
   m.def("best_isa() -> int", &best_isa);
   m.def("prefetch_distances() -> int[]", &prefetch_distances);
 }
