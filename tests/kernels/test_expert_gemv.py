@@ -227,6 +227,8 @@ def test_bad_arguments_are_refused():
     two = torch.tensor([0, 1])      # several stacks: each pair's stack named, one dtype and matrix shape
     with pytest.raises(ValueError, match="needs `which`"):
         expert_gemv(x, (w, w), two)
+    with pytest.raises(ValueError, match="one stack was given"):
+        expert_gemv(x, w, two, which=two)
     with pytest.raises(RuntimeError, match="expert id 2 out of range 0..1"):
         expert_gemv(x, (w, w[:2]), torch.tensor([3, 2]), which=two)
     with pytest.raises(RuntimeError, match="stack 2 out of range 0..1"):

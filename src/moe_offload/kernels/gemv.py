@@ -118,6 +118,8 @@ def expert_gemv(x: torch.Tensor, stack, ids: torch.Tensor, *, transposed: bool =
     ids = ids.reshape(-1).long()
     op = torch.ops.moe_offload.expert_gemv
     pf = (-1, -1, -1) if prefetch is None else (prefetch.l1, prefetch.l2, prefetch.rows)
+    if which is not None and not isinstance(stack, (tuple, list)):
+        raise ValueError("expert_gemv: `which` names each pair's stack of a tuple of stacks; one stack was given")
     if isinstance(stack, Fp8Stack):
         values = stack.values.view(torch.uint8) if stack.values.dtype != torch.uint8 else stack.values
         return op(x, values, ids, 1, stack.scales.float(), stack.row_block, stack.block_k, False, int(isa), *pf)

@@ -783,8 +783,8 @@ at::Tensor expert_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     auto wc = which->contiguous();
     std::memcpy(stack_of.data(), wc.data_ptr<int64_t>(), S * sizeof(int64_t));
   }
+  const int64_t n = static_cast<int64_t>(stacks.size());
   for (int64_t s = 0; s < S; ++s) {
-    const int64_t n = static_cast<int64_t>(stacks.size());
     TORCH_CHECK(stack_of[s] >= 0 && stack_of[s] < n, "expert_gemv: stack ", stack_of[s], " out of range 0..", n - 1);
     const int64_t En = stacks[stack_of[s]].size(0);
     TORCH_CHECK(idp[s] >= 0 && idp[s] < En, "expert_gemv: expert id ", idp[s], " out of range 0..", En - 1);
