@@ -9,7 +9,7 @@ arm's --device-memory is the cgroup's limit: the whole process (interpreter, tor
 page cache it causes) must stay inside it. (b) and (c) move part of the plan's resident experts to the host cache:
 the same memory in all. Beside every figure: the disk's measured random-read bandwidth (O_DIRECT, reads of one
 expert's bytes, one and four in flight) and the floor, the bytes the arm read per token over the better of the two.
-The model fully resident (no limit) gives the compute floor. Needs root (cgroups, drop_caches) and `make engines`.
+The model fully resident (no limit), its decode step eager and compiled, gives the compute floor (the faster). Needs root (cgroups, drop_caches) and `make engines`.
 
 Writes docs/released_disk_bench.{json,md} and docs/released-disk-bench.png (gpt-oss-20b: released_disk_gpt_oss_bench / -gpt-oss;
 --quick: bench-out/ only).
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -129,7 +130,7 @@ def derive(res: dict) -> None:
     bw = max(res["random_bytes_per_s"], res["random_4_in_flight_bytes_per_s"])
     llama = {(r.get("workload", "greedy"), r["cap"], r["threads"]): r for r in res["rows"]
              if r["arm"].startswith("(e)") and "error" not in r}
-    compute = {t: statistics.mean(r["itl_s"]) for t, r in res["resident"].items() if "error" not in r}
+    compute = compute_floor(res)
     goals = []
     for r in res["rows"]:
         if "error" in r:
@@ -161,6 +162,17 @@ def derive(res: dict) -> None:
     res["compute_floor_ms"] = {str(t): v * 1e3 for t, v in compute.items()}
 
 
+def compute_floor(res: dict) -> dict[str, float]:
+    """threads -> seconds a token: the resident (no limit) decode step, the faster of its eager and compiled runs
+    (a JSON from before the compiled run: the eager one)."""
+    floor = {}
+    for runs in (res["resident"], res.get("resident_compiled", {})):
+        for t, r in runs.items():
+            if "error" not in r:
+                floor[t] = min(floor.get(t, math.inf), statistics.mean(r["itl_s"]))
+    return floor
+
+
 def _groups(res: dict) -> list[tuple[str, float, int]]:
     """(workload, cap, threads) of every measured group, in the order run (a JSON from before workloads: greedy)."""
     cfg = res["config"]
@@ -189,7 +201,9 @@ def report(res: dict) -> str:
           f"Disk (the checkpoint's own files, O_DIRECT, random reads of {res['read_block'] / 2**20:.0f} MiB, one "
           f"expert's bytes): {bw1 / 1e9:.2f} GB/s one at a time, {bw4 / 1e9:.2f} GB/s four in flight. Floor: the "
           "bytes an arm read per token (/proc/self/io; llama.cpp: the difference of two runs) over the better of the "
-          f"two, or the compute floor (resident, no limit: " + ", ".join(
+          "two, or the compute floor (resident, no limit"
+          + (", the faster of its eager and compiled decode steps" if res.get("resident_compiled") else "") + ": "
+          + ", ".join(
               f"{v:.0f} ms at {t} thread(s)" for t, v in res["compute_floor_ms"].items()) + ") where higher.", ""]
     cols = ("workload", "cap", "threads", "arm", "tok/s", "x llama.cpp", "disk MB/token", "floor ms", "x floor", "cgroup peak GiB",
             "host-cache hit rate")
@@ -306,13 +320,15 @@ def main(argv=None) -> int:
     peers = engines()
     where = peers["llama_cpp"]
     bw = [cold_bandwidth(model, block, GiB)]
-    rows, resident = [], {}
-    for t in cfg["threads"]:
+    rows, resident, resident_compiled = [], {}, {}
+    for t in cfg["threads"]:     # the compute floor: the model resident, its decode step eager and compiled
         spec = dict(arm_specs(cfg, model, ids, cfg["total_gib"], t)[0], arm="resident", key=f"resident-{t}t",
                     label="resident (no limit)")
-        resident[str(t)] = run_ours(spec, None, logdir)
-        console.print(f"resident, {t} thread(s): " + resident[str(t)].get("error", "")
-                      + _f(resident[str(t)].get("tok_s_mean")) + " tok/s")
+        for into, extra, how in ((resident, {}, "eager"), (resident_compiled, dict(compile=True), "compiled")):
+            into[str(t)] = run_ours(dict(spec, **extra, key=spec["key"] + ("-compiled" if extra else "")), None,
+                                    logdir)
+            console.print(f"resident, {t} thread(s), {how}: " + into[str(t)].get("error", "")
+                          + _f(into[str(t)].get("tok_s_mean")) + " tok/s")
     calibration = calibrate(cfg, model, logdir)
     stats = calibration.pop("stats")
     for w, cap, t in _groups({"config": cfg}):
@@ -334,7 +350,7 @@ def main(argv=None) -> int:
            "random_4_in_flight_bytes_per_s": statistics.mean(b["random_4_in_flight_bytes_per_s"] for b in bw),
            "machine": machine(peers), "llama_version": where.get("version", "?"),
            "llama_load_mode_dio": llama_dio(where) if where.get("ok") else None,
-           "resident": resident, "calibration": calibration, "rows": rows, "elapsed_s": time.perf_counter() - began}
+           "resident": resident, "resident_compiled": resident_compiled, "calibration": calibration, "rows": rows, "elapsed_s": time.perf_counter() - began}
     console.print(f"done in {res['elapsed_s']:.0f} s")
     return write(res, ROOT / "bench-out", None if args.quick else ROOT / "docs")
 

@@ -134,6 +134,40 @@ def test_resident_experts_and_admitted_misses_are_read_where_they_lie(folder, re
     assert torch.equal(logits, want_logits), f"max |diff| {(logits.float() - want_logits.float()).abs().max()}"
 
 
+LANDINGS = {"all at once": {}, "one at a time": {}, "every row in place": {"host_cache_gb": 1.0}}
+
+
+@pytest.mark.exact
+@pytest.mark.parametrize("landing", LANDINGS)
+def test_how_the_rows_land_changes_no_bit(folder, resident, steps, monkeypatch, landing):
+    """Every read landed before the first is waited for (the whole step then one call per projection), each only
+    once waited for (one call per expert), or nothing queued at all (a warm host cache: every pair at once, none
+    picked out or scattered): the same bits as the resident fused step."""
+    queued = []
+    real_start = Deferred.start
+    monkeypatch.setattr(Deferred, "start", lambda self, submit: queued.append(len(self._queued))
+                        or real_start(self, submit))
+    if landing != "every row in place":
+        def landed(self, positions):
+            positions = list(positions)
+            if landing == "one at a time":
+                return []
+            self.wait(positions)
+            return positions
+        monkeypatch.setattr(Deferred, "landed", landed)
+    path = folder("qwen3_moe")
+    ids, (want_seq, want_logits) = resident[1]("qwen3_moe")
+    with load(path, plan=experts_on_disk(path), experts="fused", **LANDINGS[landing]) as loaded:
+        seq, logits = generate_new(loaded.model, ids)
+    decode = queued[-len(steps):]
+    if landing == "every row in place":
+        assert 0 in decode, "no decode step found every row in place"
+    else:
+        assert min(decode) > 1, decode
+    assert torch.equal(seq, want_seq)
+    assert torch.equal(logits, want_logits), f"max |diff| {(logits.float() - want_logits.float()).abs().max()}"
+
+
 def test_the_first_experts_are_computed_while_later_rows_are_read(folder, monkeypatch):
     """Rows after the first chunk are held back until the step has started computing: a step that waited for every
     read before computing would time out here."""

@@ -91,6 +91,7 @@ class HostCache(PagedCache):
                               f"--host-cache-gb of at least {biggest[0] / (1 << 30):.4g}, or 0 for none")
         self.pages.carve([b for lay in layers.values() for b in lay.row_bytes],
                          [n for lay in layers.values() for n in lay.nbytes], self.capacity_bytes)
+        self._stack_views: dict[tuple, torch.Tensor] = {}    # stack_view's, of this arena
 
     @property
     def host_bytes(self) -> int:
@@ -138,7 +139,14 @@ class HostCache(PagedCache):
     def stack_view(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """The arena as a stack of rows of `shape` [N, *shape], row i starting at page i (rows overlap; they are
         only read, and written by the reads that land in them): a row in one run of pages, stack[run_start], is read
-        in place by the CPU kernels (streamed.py), and every such row of a step is one kernel call."""
+        in place by the CPU kernels (streamed.py), and every such row of a step is one kernel call. Made once per
+        arena, shape and dtype (every streamed layer step asks)."""
+        key = (self.arena.data_ptr(), tuple(self.arena.shape), tuple(shape), dtype)
+        if key not in self._stack_views:
+            self._stack_views[key] = self._stack_view(shape, dtype)
+        return self._stack_views[key]
+
+    def _stack_view(self, shape, dtype: torch.dtype) -> torch.Tensor:
         flat = self.arena.view(-1).view(dtype)
         per_page, row = self.page_bytes // flat.element_size(), math.prod(shape)
         inner = [math.prod(shape[i + 1:]) for i in range(len(shape))]

@@ -225,10 +225,15 @@ class Selected:
     @classmethod
     def of(cls, top_k_index: torch.Tensor) -> tuple["Selected", torch.Tensor]:
         """(the selection, the routing renumbered 0..U-1 [T, k]) of a layer step's top_k_index [T, k]."""
+        picked = cls.picked(top_k_index)
+        return picked, torch.searchsorted(picked.index, top_k_index)
+
+    @classmethod
+    def picked(cls, top_k_index: torch.Tensor) -> "Selected":
+        """The selection of a layer step's top_k_index [T, k] (`of` without the renumbered routing)."""
         slots = top_k_index.reshape(-1).tolist()
         ids = sorted(set(slots))
-        picked = cls(tuple(ids), index_tensor(ids, top_k_index.device), tuple(slots), top_k_index.size(-1))
-        return picked, torch.searchsorted(picked.index, top_k_index)
+        return cls(tuple(ids), index_tensor(ids, top_k_index.device), tuple(slots), top_k_index.size(-1))
 
     @classmethod
     def of_ids(cls, ids: list[int], device) -> "Selected":

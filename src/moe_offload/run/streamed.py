@@ -14,7 +14,8 @@ rows are all in place at once, then each of the others as soon as its rows have 
     plan, charge; execute (look-ahead rows copied, hits in one run and resident rows placed, the rest queued), start
     the experts with nothing queued: their (token, expert) pairs by the CPU kernels, one call per projection over
         every stack the rows lie in (the module's parameter, a split tensor's resident stack, the host cache's
-        arena seen as a stack of rows starting at every page, the gathered buffer), grouped.pair_outputs
+        arena seen as a stack of rows starting at every page, the gathered buffer), grouped.pair_outputs (nothing
+        queued at all, as in most steps a warm host cache serves: every pair at once, none picked out or scattered)
     each other expert, in the order its rows are read: wait for them; its pairs likewise, with those of the experts
         whose rows have landed meanwhile
     every token's pairs summed in slot order (grouped.sum_pairs)
@@ -52,7 +53,7 @@ def streamed_step(state, module, hidden: torch.Tensor, top_k_index: torch.Tensor
     (which experts, where their rows lie, reader threads): it runs eagerly, an edge of a compiled decode step
     (compiled.py), as the gather does."""
     rt = state.runtime
-    selected, _ = Selected.of(top_k_index)
+    selected = Selected.picked(top_k_index)
     plan = plan_step(rt, state, selected, False)
     plan.charge(rt)
     deferred = Deferred()
@@ -65,13 +66,12 @@ def streamed_step(state, module, hidden: torch.Tensor, top_k_index: torch.Tensor
         slots = [position[e] for e in selected.slots]          # each (token, slot) pair's position in the selection
         k, dev = selected.k, hidden.device
         weights = top_k_weights.reshape(-1)
-        out = torch.empty((len(slots), hidden.size(-1)), dtype=hidden.dtype, device=dev)
         project = _project(module, sources, state.quant, rt.compute.isa)
 
         def rows(name, ids):     # a per-expert tensor's rows (a bias) of these positions
             return torch.stack([stack[row] for stack, row in (sources[name][p] for p in ids.tolist())])
 
-        def compute(positions: set[int]) -> None:
+        def compute(positions: set[int]) -> None:     # these positions' pairs, into `out`
             pairs = [s for s, q in enumerate(slots) if q in positions]
             at = index_tensor(pairs, dev)
             x = hidden.index_select(0, index_tensor([s // k for s in pairs], dev))
@@ -80,6 +80,11 @@ def streamed_step(state, module, hidden: torch.Tensor, top_k_index: torch.Tensor
             out.index_copy_(0, at, y.to(out.dtype))
 
         later = sorted(deferred.pending)
+        if not later:            # every row in place: every pair in one go, none picked out or scattered
+            x = hidden if k == 1 else hidden.repeat_interleave(k, dim=0)
+            y = pair_outputs(module, rows, project, x, torch.tensor(slots), weights)
+            return sum_pairs(y.to(hidden.dtype), hidden.size(0), k, hidden.dtype)
+        out = torch.empty((len(slots), hidden.size(-1)), dtype=hidden.dtype, device=dev)
         ready = set(range(len(selected.ids))) - set(later)
         if ready:
             compute(ready)
