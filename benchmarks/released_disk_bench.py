@@ -9,7 +9,8 @@ arm's --device-memory is the cgroup's limit: the whole process (interpreter, tor
 page cache it causes) must stay inside it. (b) and (c) move part of the plan's resident experts to the host cache:
 the same memory in all. Beside every figure: the disk's measured random-read bandwidth (O_DIRECT, reads of one
 expert's bytes, one and four in flight) and the floor, the bytes the arm read per token over the better of the two.
-The model fully resident (no limit), its decode step eager and compiled, gives the compute floor (the faster). Needs root (cgroups, drop_caches) and `make engines`.
+The model fully resident (no limit), its decode step eager and compiled, gives the compute floor (the faster).
+Needs root (cgroups, drop_caches) and `make engines`.
 
 Writes docs/released_disk_bench.{json,md} and docs/released-disk-bench.png (gpt-oss-20b: released_disk_gpt_oss_bench / -gpt-oss;
 --quick: bench-out/ only).
@@ -350,7 +351,8 @@ def main(argv=None) -> int:
            "random_4_in_flight_bytes_per_s": statistics.mean(b["random_4_in_flight_bytes_per_s"] for b in bw),
            "machine": machine(peers), "llama_version": where.get("version", "?"),
            "llama_load_mode_dio": llama_dio(where) if where.get("ok") else None,
-           "resident": resident, "resident_compiled": resident_compiled, "calibration": calibration, "rows": rows, "elapsed_s": time.perf_counter() - began}
+           "resident": resident, "resident_compiled": resident_compiled, "calibration": calibration, "rows": rows,
+           "elapsed_s": time.perf_counter() - began}
     console.print(f"done in {res['elapsed_s']:.0f} s")
     return write(res, ROOT / "bench-out", None if args.quick else ROOT / "docs")
 
