@@ -145,7 +145,7 @@ def test_how_the_rows_land_changes_no_bit(folder, resident, steps, monkeypatch, 
     picked out or scattered): the same bits as the resident fused step."""
     queued = []
     real_start = Deferred.start
-    monkeypatch.setattr(Deferred, "start", lambda self, submit: queued.append(len(self._queued))
+    monkeypatch.setattr(Deferred, "start", lambda self, submit: queued.append(len(self.pending))
                         or real_start(self, submit))
     if landing != "every row in place":
         def landed(self, positions):

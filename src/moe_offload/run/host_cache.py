@@ -141,7 +141,7 @@ class HostCache(PagedCache):
         only read, and written by the reads that land in them): a row in one run of pages, stack[run_start], is read
         in place by the CPU kernels (streamed.py), and every such row of a step is one kernel call. Made once per
         arena, shape and dtype (every streamed layer step asks)."""
-        key = (self.arena.data_ptr(), tuple(self.arena.shape), tuple(shape), dtype)
+        key = (tuple(shape), dtype)     # emptied where the arena is carved (attach)
         if key not in self._stack_views:
             self._stack_views[key] = self._stack_view(shape, dtype)
         return self._stack_views[key]

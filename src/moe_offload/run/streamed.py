@@ -81,7 +81,7 @@ def streamed_step(state, module, hidden: torch.Tensor, top_k_index: torch.Tensor
 
         later = sorted(deferred.pending)
         if not later:            # every row in place: every pair in one go, none picked out or scattered
-            x = hidden if k == 1 else hidden.repeat_interleave(k, dim=0)
+            x = hidden.repeat_interleave(k, dim=0)         # [S, H], as grouped.experts_math
             y = pair_outputs(module, rows, project, x, torch.tensor(slots), weights)
             return sum_pairs(y.to(hidden.dtype), hidden.size(0), k, hidden.dtype)
         out = torch.empty((len(slots), hidden.size(-1)), dtype=hidden.dtype, device=dev)
